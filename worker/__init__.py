@@ -1,0 +1,3 @@
+"""gpu-provider's headless core. Never imports Qt."""
+
+__version__ = "0.1.0"

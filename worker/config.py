@@ -1,0 +1,213 @@
+"""Where things live, what the user chose (Settings) and what the app writes (State).
+
+Settings and State are kept apart, as Maestral does: a person edits settings (through the app
+or the file), the app alone writes state. Both are small JSON files written atomically; a
+damaged file is moved aside with a clear log line rather than crashing the app or losing the
+other file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "gpu-provider"
+SETTINGS_VERSION = 1
+DEFAULT_COORDINATOR = "local"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Every folder the app uses. `--data-dir DIR` puts all of them under DIR."""
+
+    config_dir: Path
+    data_dir: Path
+    cache_dir: Path
+    log_dir: Path
+    run_dir: Path
+
+    @classmethod
+    def default(cls) -> Paths:
+        dirs = platformdirs.PlatformDirs(APP_NAME, appauthor=False)
+        return cls(
+            config_dir=Path(dirs.user_config_dir),
+            data_dir=Path(dirs.user_data_dir),
+            cache_dir=Path(dirs.user_cache_dir),
+            log_dir=Path(dirs.user_log_dir),
+            run_dir=Path(dirs.user_runtime_dir) if os.name != "nt" else Path(dirs.user_data_dir) / "run",
+        )
+
+    @classmethod
+    def under(cls, root: str | os.PathLike[str]) -> Paths:
+        base = Path(root).expanduser().resolve()
+        return cls(base / "config", base / "data", base / "cache", base / "logs", base / "run")
+
+    @classmethod
+    def resolve(cls, data_dir: str | os.PathLike[str] | None) -> Paths:
+        if data_dir:
+            return cls.under(data_dir)
+        env = os.environ.get("GPU_PROVIDER_DATA_DIR")
+        return cls.under(env) if env else cls.default()
+
+    def ensure(self) -> Paths:
+        for folder in (self.config_dir, self.data_dir, self.cache_dir, self.log_dir, self.run_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        return self
+
+    @property
+    def settings_file(self) -> Path:
+        return self.config_dir / "settings.json"
+
+    @property
+    def state_file(self) -> Path:
+        return self.data_dir / "state.json"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.cache_dir / "models"
+
+    @property
+    def engines_dir(self) -> Path:
+        return self.data_dir / "engines"
+
+    @property
+    def ledger_file(self) -> Path:
+        return self.data_dir / "ledger.sqlite3"
+
+    @property
+    def status_file(self) -> Path:
+        """The running agent's latest snapshot, read by `gpu-provider status`."""
+        return self.run_dir / "status.json"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the user chose. Every field has a default; unknown keys in the file are kept aside."""
+
+    version: int = SETTINGS_VERSION
+    coordinator_url: str = DEFAULT_COORDINATOR
+    electricity_price_per_kwh: float = 0.0
+    currency: str = "USD"
+    auto_pause_for_games: bool = True
+    auto_resume_after_s: float = 120.0
+    serve_hours: tuple[int, int] | None = None  # (start hour, end hour), local time; None = always
+    start_at_login: bool = False
+    gpus_to_lend: tuple[int, ...] | None = None  # None = every GPU
+    model_cache_dir: str | None = None
+    model_cache_limit_gib: float = 200.0
+    allow_remote_code: bool = False
+    allow_app_owned_args: bool = False
+    gpu_memory_utilization: float = 0.90
+    memory_reserve_mib: int = 512
+    update_channel: str = "stable"
+    update_feed_url: str | None = None
+    auto_install_updates: bool = True
+
+    def validated(self) -> Settings:
+        problems = []
+        if not 0.1 <= self.gpu_memory_utilization <= 0.99:
+            problems.append("gpu_memory_utilization must be between 0.1 and 0.99")
+        if self.electricity_price_per_kwh < 0:
+            problems.append("electricity_price_per_kwh cannot be negative")
+        if self.model_cache_limit_gib <= 0:
+            problems.append("model_cache_limit_gib must be positive")
+        if self.serve_hours is not None and not all(0 <= h <= 24 for h in self.serve_hours):
+            problems.append("serve_hours must be two hours between 0 and 24")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def with_changes(self, **changes: Any) -> Settings:
+        return replace(self, **changes).validated()
+
+
+@dataclass
+class State:
+    """What the app writes for itself: the node's identity and small facts between runs."""
+
+    node_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    signed_in: bool = False
+    last_assignment: dict[str, Any] | None = None
+    paused: bool = False
+    pause_until: float | None = None  # epoch seconds of a timed pause; None = until resumed
+
+
+def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        aside = path.with_suffix(path.suffix + ".damaged")
+        log.warning("could not read %s (%s); moved it to %s and started from defaults", path, exc, aside)
+        path.replace(aside)
+        return None
+    if not isinstance(data, dict):
+        log.warning("%s does not hold a JSON object; ignoring it", path)
+        return None
+    return data
+
+
+def _from_dict(cls: type[Any], data: dict[str, Any]) -> Any:
+    known = {f.name for f in fields(cls)}
+    values = {k: v for k, v in data.items() if k in known}
+    for name in ("serve_hours", "gpus_to_lend"):
+        if isinstance(values.get(name), list):
+            values[name] = tuple(values[name])
+    return cls(**values)
+
+
+def load_settings(paths: Paths) -> Settings:
+    data = _read_json(paths.settings_file) or {}
+    try:
+        return _from_dict(Settings, data).validated()
+    except (TypeError, ValueError) as exc:
+        log.warning("settings in %s are not valid (%s); using defaults", paths.settings_file, exc)
+        return Settings()
+
+
+def save_settings(paths: Paths, settings: Settings) -> None:
+    _atomic_write_json(paths.settings_file, asdict(settings.validated()))
+
+
+def load_state(paths: Paths) -> State:
+    """The state, created (with a fresh node id) and saved on first use."""
+    data = _read_json(paths.state_file)
+    if data is None:
+        state = State()
+        save_state(paths, state)
+        return state
+    try:
+        return _from_dict(State, data)
+    except TypeError as exc:
+        log.warning("state in %s is not valid (%s); keeping only the node id", paths.state_file, exc)
+        node_id = data.get("node_id")
+        return State(node_id=node_id) if isinstance(node_id, str) else State()
+
+
+def save_state(paths: Paths, state: State) -> None:
+    _atomic_write_json(paths.state_file, asdict(state))

@@ -1,0 +1,383 @@
+"""Every message of coordinator protocol version 1 as a typed model: parse, validate, serialise.
+
+Pure: no I/O. The connection (`link.py`) and the reference coordinator (`localnet.py`) both build
+on this module, so the app and its test peer can never disagree about a shape. The contract is
+`shared/coordinator-protocol.md`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+EngineName = Literal["vllm", "llamacpp"]
+Runtime = Literal["native", "wsl2", "apple-silicon", "windows", "cpu"]
+State = Literal["idle", "paused", "configured", "starting", "ready", "degraded", "failed", "stopped"]
+Layout = Literal["tensor", "replica", "single"]
+
+# Close codes the coordinator uses; see "Connection" in the protocol.
+CLOSE_PROTOCOL_ERROR = 4400
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_FORBIDDEN = 4403
+CLOSE_TAKEN_OVER = 4409
+CLOSE_UPGRADE_REQUIRED = 4426
+
+
+class _Message(BaseModel):
+    """Wire messages ignore fields they do not know, so the coordinator can add some."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+# --- hello -----------------------------------------------------------------------------------
+
+
+class PlatformInfo(_Message):
+    os: str
+    runtime: Runtime
+    arch: str
+
+
+class Pcie(_Message):
+    gen: int | None = None
+    width: int | None = None
+
+
+class GpuInfo(_Message):
+    index: int
+    uuid: str
+    name: str
+    vendor: str = "nvidia"
+    memory_total_mib: int
+    memory_free_mib: int
+    compute_capability: str | None = None
+    pcie: Pcie = Pcie()
+    peer_to_peer: bool = False
+    power_limit_w: float | None = None
+    memory_bandwidth_gbps: float | None = None
+
+
+class GroupInfo(_Message):
+    gpu_indices: list[int]
+    name: str
+    usable_mib_per_gpu: int
+    peer_to_peer: bool = False
+
+
+class CpuInfo(_Message):
+    model: str
+    cores: int
+
+
+class HardwareInfo(_Message):
+    gpus: list[GpuInfo] = []
+    groups: list[GroupInfo] = []
+    effective_vram_mib: int = 0
+    unified_memory: bool = False
+    ram_mib: int
+    cpu: CpuInfo
+
+
+class Hello(_Message):
+    type: Literal["hello"] = "hello"
+    protocol: int = PROTOCOL_VERSION
+    node_id: str
+    app_version: str
+    platform: PlatformInfo
+    hardware: HardwareInfo
+    engines: dict[str, str | None]
+    paused: bool = False
+
+
+class Price(_Message):
+    currency: str = "USD"
+    per_million_output_tokens: float = 0.0
+    per_million_input_tokens: float = 0.0
+
+
+class Welcome(_Message):
+    type: Literal["welcome"] = "welcome"
+    node_id: str
+    heartbeat_s: float = Field(default=10.0, gt=0)
+    price: Price = Price()
+
+
+# --- assignment ------------------------------------------------------------------------------
+
+
+class EngineModel(_Message):
+    """One engine's way of serving the assigned model."""
+
+    source: str = Field(min_length=1)
+    revision: str | None = None
+    engine_version: str | None = None
+    sha256: str | None = None
+    weights_mib: int = Field(gt=0)
+    base_args: list[str] = []
+    tiers: dict[str, list[str]] = {}
+
+    @field_validator("tiers")
+    @classmethod
+    def _thresholds_are_mib(cls, tiers: dict[str, list[str]]) -> dict[str, list[str]]:
+        for key in tiers:
+            if not key.isdigit():
+                raise ValueError(f"tier threshold {key!r} is not a whole number of MiB")
+        return tiers
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        value = value.lower()
+        if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+            raise ValueError("sha256 must be 64 hexadecimal digits")
+        return value
+
+    def tier_thresholds(self) -> list[tuple[int, list[str]]]:
+        """Tiers as (threshold MiB, args), lowest threshold first."""
+        return sorted(((int(k), list(v)) for k, v in self.tiers.items()), key=lambda t: t[0])
+
+
+class ModelSpec(_Message):
+    name: str = Field(min_length=1)
+    vllm: EngineModel | None = None
+    llamacpp: EngineModel | None = None
+
+    def for_engine(self, engine: EngineName) -> EngineModel | None:
+        return self.vllm if engine == "vllm" else self.llamacpp
+
+
+class Assign(_Message):
+    type: Literal["assign"] = "assign"
+    assignment_id: str = Field(min_length=1)
+    model: ModelSpec
+
+
+class Unassign(_Message):
+    type: Literal["unassign"] = "unassign"
+    assignment_id: str
+
+
+class Pause(_Message):
+    type: Literal["pause"] = "pause"
+
+
+class Resume(_Message):
+    type: Literal["resume"] = "resume"
+
+
+# --- status ----------------------------------------------------------------------------------
+
+
+class EngineStatus(_Message):
+    engine_id: str
+    gpu_indices: list[int]
+    layout: Layout
+    argv: list[str]
+    state: State
+    kv_cache_tokens: int | None = None
+    kv_cache_gib: float | None = None
+    max_model_len: int | None = None
+    max_concurrency: float | None = None
+    restarts: int = 0
+    last_error: str | None = None
+
+
+class Throughput(_Message):
+    tokens_per_s: float | None = None
+    per_request_tokens_per_s: float | None = None
+    run_tokens: int = 0
+    run_seconds: float = 0.0
+    requests: int = 0
+
+
+class GpuStatus(_Message):
+    index: int
+    util_pct: float | None = None
+    memory_used_mib: int | None = None
+    power_w: float | None = None
+    temperature_c: float | None = None
+
+
+class Status(_Message):
+    type: Literal["status"] = "status"
+    state: State
+    assignment_id: str | None = None
+    model: str | None = None
+    last_error: str | None = None
+    engines: list[EngineStatus] = []
+    throughput: Throughput = Throughput()
+    gpus: list[GpuStatus] = []
+    in_flight: int = 0
+
+
+# --- relay -----------------------------------------------------------------------------------
+
+
+class Request(_Message):
+    type: Literal["request"] = "request"
+    id: str = Field(min_length=1)
+    method: str
+    path: str
+    body: Any = None
+    deadline_s: float = Field(default=300.0, gt=0)
+
+
+class Cancel(_Message):
+    type: Literal["cancel"] = "cancel"
+    id: str
+
+
+class ResponseHead(_Message):
+    type: Literal["response.head"] = "response.head"
+    id: str
+    status: int
+    content_type: str | None = None
+
+
+class ResponseChunk(_Message):
+    type: Literal["response.chunk"] = "response.chunk"
+    id: str
+    data: str
+
+
+class Usage(_Message):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ResponseEnd(_Message):
+    type: Literal["response.end"] = "response.end"
+    id: str
+    usage: Usage | None = None
+
+
+class ResponseError(_Message):
+    type: Literal["response.error"] = "response.error"
+    id: str
+    status: int
+    code: str
+    message: str = ""
+
+
+# --- update and errors -----------------------------------------------------------------------
+
+
+class Update(_Message):
+    type: Literal["update"] = "update"
+    version: str = Field(min_length=1)
+    url: str = Field(min_length=1)
+    sha256: str
+    signature: str
+
+
+class Error(_Message):
+    type: Literal["error"] = "error"
+    code: str
+    message: str = ""
+    ref: str | None = None
+
+
+CoordinatorMessage = Annotated[
+    Union[Welcome, Assign, Unassign, Pause, Resume, Request, Cancel, Update, Error],
+    Field(discriminator="type"),
+]
+NodeMessage = Annotated[
+    Union[Hello, Status, ResponseHead, ResponseChunk, ResponseEnd, ResponseError, Error],
+    Field(discriminator="type"),
+]
+_FROM_COORDINATOR: TypeAdapter[Any] = TypeAdapter(CoordinatorMessage)
+_FROM_NODE: TypeAdapter[Any] = TypeAdapter(NodeMessage)
+_COORDINATOR_TYPES = frozenset(
+    {"welcome", "assign", "unassign", "pause", "resume", "request", "cancel", "update", "error"}
+)
+_NODE_TYPES = frozenset(
+    {"hello", "status", "response.head", "response.chunk", "response.end", "response.error", "error"}
+)
+
+
+class Unknown(BaseModel):
+    """A message whose type this version does not know: logged and ignored."""
+
+    type: str
+    model_config = ConfigDict(frozen=True)
+
+
+class BadMessage(Exception):
+    """A frame that is not JSON, too large, or does not fit its schema: answered with `error`."""
+
+    def __init__(self, message: str, ref: str | None = None) -> None:
+        super().__init__(message)
+        self.ref = ref
+
+    def reply(self) -> Error:
+        return Error(code="bad_message", message=str(self), ref=self.ref)
+
+
+def _decode(frame: str | bytes) -> dict[str, Any]:
+    if isinstance(frame, bytes):
+        if len(frame) > MAX_FRAME_BYTES:
+            raise BadMessage(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES}-byte limit")
+        raise BadMessage("binary frames are not part of the protocol; send text")
+    if len(frame) > MAX_FRAME_BYTES // 4 and len(frame.encode("utf-8")) > MAX_FRAME_BYTES:
+        raise BadMessage(f"frame is over the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        data = json.loads(frame)
+    except (ValueError, RecursionError) as exc:
+        raise BadMessage(f"frame is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadMessage("a frame must be one JSON object")
+    if not isinstance(data.get("type"), str):
+        raise BadMessage('the message has no string "type"', _ref(data))
+    return data
+
+
+def _ref(data: dict[str, Any]) -> str | None:
+    ref = data.get("id") or data.get("assignment_id")
+    return ref if isinstance(ref, str) else None
+
+
+def _parse(frame: str | bytes, adapter: TypeAdapter[Any], known: frozenset[str]) -> Any:
+    data = _decode(frame)
+    if data["type"] not in known:
+        return Unknown(type=data["type"])
+    try:
+        return adapter.validate_python(data)
+    except (ValidationError, RecursionError) as exc:
+        raise BadMessage(_summarise(exc, data["type"]), _ref(data)) from None
+
+
+def _summarise(exc: Exception, message_type: str) -> str:
+    if isinstance(exc, ValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'][1:]) or '(message)'}: {err['msg']}"
+            for err in exc.errors()[:5]
+        )
+        return f"invalid {message_type!r} message: {problems}"
+    return f"invalid {message_type!r} message: nested too deeply"
+
+
+def parse_from_coordinator(frame: str | bytes) -> Any:
+    """A frame the node received → a typed message or `Unknown`; raises `BadMessage`."""
+    return _parse(frame, _FROM_COORDINATOR, _COORDINATOR_TYPES)
+
+
+def parse_from_node(frame: str | bytes) -> Any:
+    """A frame the coordinator received → a typed message or `Unknown`; raises `BadMessage`."""
+    return _parse(frame, _FROM_NODE, _NODE_TYPES)
+
+
+def encode(message: BaseModel) -> str:
+    """One message → one text frame (compact JSON; `None` fields kept, as the protocol shows them)."""
+    return message.model_dump_json()
+
+
+def signed_update_payload(version: str, sha256: str) -> bytes:
+    """The bytes an update's Ed25519 signature covers (version and hash bound together)."""
+    return f"gpu-provider-update:{version}:{sha256.lower()}".encode("utf-8")

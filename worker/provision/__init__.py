@@ -1,0 +1,1 @@
+"""Model files and engine installs onto the machine, with progress."""
