@@ -1,0 +1,241 @@
+"""A small HTTPS file server on 127.0.0.1 for tests: a folder, added resources, Range, faults.
+
+Runs in a background thread (so both async httpx clients and libraries that make blocking calls
+from worker threads can use it), with a trustme certificate authority the test hands to its
+clients. Every request is recorded, so a test can assert which ranges were asked for.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import ssl
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+from urllib.parse import unquote, urlsplit
+
+import trustme
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+
+
+@dataclass(frozen=True)
+class SeenRequest:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]  # lower-case names
+
+    @property
+    def range(self) -> str | None:
+        return self.headers.get("range")
+
+
+@dataclass
+class Resource:
+    """A response the test defined in memory (its body served with Range support like a file)."""
+
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    content_type: str = "application/octet-stream"
+    status: int = 200
+
+
+@dataclass
+class _Cut:
+    after_bytes: int
+    times: int
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, owner: HttpsServer, context: ssl.SSLContext) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.owner = owner
+        self.context = context
+
+    def finish_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
+        """Handshake in the request's own thread, so one slow client never blocks accept()."""
+        try:
+            tls = self.context.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError):
+            return
+        super().finish_request(tls, client_address)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """Connections the tests cut on purpose end in errors; they are expected, not news."""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Quiet: the recorded requests are what tests look at."""
+
+    def do_GET(self) -> None:
+        self._answer(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(send_body=False)
+
+    def _answer(self, *, send_body: bool) -> None:
+        owner = self.server.owner
+        parts = urlsplit(self.path)
+        path = unquote(parts.path)
+        owner._record(
+            SeenRequest(self.command, path, parts.query, {k.lower(): v for k, v in self.headers.items()})
+        )
+        resource = owner._lookup(path)
+        if resource is None:
+            self._send_status(404, b"not found")
+            return
+        if resource.status != 200:
+            self._send_status(resource.status, resource.body, resource.headers)
+            return
+        self._send_resource(resource, path, send_body)
+
+    def _send_resource(self, resource: Resource, path: str, send_body: bool) -> None:
+        size = len(resource.body)
+        start, end, status = 0, size - 1, 200
+        wanted = self.headers.get("Range") if self.server.owner.honour_range else None
+        match = _RANGE.fullmatch(wanted.strip()) if wanted else None
+        if match:
+            start = int(match.group(1))
+            end = min(int(match.group(2)), size - 1) if match.group(2) else size - 1
+            if start >= size:
+                self._send_status(416, b"", {"Content-Range": f"bytes */{size}"})
+                return
+            status = 206
+        body = resource.body[start : end + 1]
+        self.send_response(status)
+        self.send_header("Content-Type", resource.content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Accept-Ranges", "bytes")
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        for name, value in resource.headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if send_body:
+            self._write_body(path, body)
+
+    def _write_body(self, path: str, body: bytes) -> None:
+        cut = self.server.owner._take_cut(path) if self.command == "GET" else None
+        if cut is None:
+            self.wfile.write(body)
+            return
+        self.wfile.write(body[:cut])
+        self.wfile.flush()
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _send_status(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+
+class HttpsServer:
+    """`with HttpsServer(root) as server: httpx.get(server.url("a.gguf"), verify=server.client_context())`."""
+
+    def __init__(
+        self, root: Path | None = None, *, ca: trustme.CA | None = None, honour_range: bool = True
+    ) -> None:
+        self.root = root
+        self.ca = ca or trustme.CA()
+        self.honour_range = honour_range
+        self._resources: dict[str, Resource] = {}
+        self._cuts: dict[str, _Cut] = {}
+        self._seen: list[SeenRequest] = []
+        self._lock = threading.Lock()
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+        self._server = _Server(self, context)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    @property
+    def base_url(self) -> str:
+        return f"https://127.0.0.1:{self._server.server_address[1]}"
+
+    def url(self, path: str) -> str:
+        return f"{self.base_url}/{path.lstrip('/')}"
+
+    def client_context(self) -> ssl.SSLContext:
+        """An SSL context that trusts this server's certificate authority (httpx `verify=`)."""
+        context = ssl.create_default_context()
+        self.ca.configure_trust(context)
+        return context
+
+    def add(self, path: str, body: bytes, **resource: object) -> None:
+        """Serve `body` at `path` (leading slash optional), with optional headers, type, status."""
+        with self._lock:
+            self._resources["/" + path.lstrip("/")] = Resource(body, **resource)  # type: ignore[arg-type]
+
+    def cut_after(self, path: str, n_bytes: int, *, times: int = 1) -> None:
+        """The next `times` GETs of `path` send their headers and `n_bytes` of body, then drop the connection."""
+        with self._lock:
+            self._cuts["/" + path.lstrip("/")] = _Cut(n_bytes, times)
+
+    @property
+    def requests(self) -> list[SeenRequest]:
+        with self._lock:
+            return list(self._seen)
+
+    def requests_for(self, path: str, method: str | None = None) -> list[SeenRequest]:
+        wanted = "/" + path.lstrip("/")
+        return [r for r in self.requests if r.path == wanted and (method is None or r.method == method)]
+
+    def _record(self, request: SeenRequest) -> None:
+        with self._lock:
+            self._seen.append(request)
+
+    def _take_cut(self, path: str) -> int | None:
+        with self._lock:
+            cut = self._cuts.get(path)
+            if cut is None or cut.times <= 0:
+                return None
+            cut.times -= 1
+            return cut.after_bytes
+
+    def _lookup(self, path: str) -> Resource | None:
+        with self._lock:
+            resource = self._resources.get(path)
+        if resource is not None:
+            return resource
+        return self._file(path)
+
+    def _file(self, path: str) -> Resource | None:
+        if self.root is None:
+            return None
+        root = self.root.resolve()
+        candidate = (root / path.lstrip("/")).resolve()
+        if not candidate.is_relative_to(root) or not candidate.is_file():
+            return None
+        return Resource(candidate.read_bytes())

@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from tests.support.wheels import fake_vllm_wheel
+from worker.config import Paths
+from worker.events import DownloadProgress
+from worker.provision.engine_install import EngineInstall, ensure_engine, remove_unused
+from worker.provision.errors import ProvisionError
+from worker.provision.vllm_install import (
+    MARKER,
+    VenvPlace,
+    child_env,
+    host_place,
+    pip_install_argv,
+    pip_step,
+    wsl_place,
+)
+
+
+@pytest.mark.integration
+async def test_vllm_venv_from_a_wheel_folder_gives_a_working_executable(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    fake_vllm_wheel(wheels, "0.33.0")
+    fake_vllm_wheel(wheels, "0.30.0")
+    paths = Paths.under(tmp_path / "app")
+    progress: list[DownloadProgress] = []
+
+    install = await ensure_engine(
+        "vllm", "0.33.0", paths, progress.append, find_links=str(wheels), use_wsl=False, python=sys.executable
+    )
+
+    assert install.location == paths.engines_dir / "vllm-0.33.0"
+    assert install.version == "0.33.0"
+    answer = await asyncio.to_thread(
+        subprocess.run,
+        [*install.executable, "--version"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert answer.stdout.strip() == "0.33.0"
+    assert any("installing with pip" in p.what for p in progress)
+    assert progress[-1].finished
+
+    again: list[DownloadProgress] = []
+    assert (
+        await ensure_engine("vllm", None, paths, again.append, find_links=str(wheels), use_wsl=False)
+        == install
+    )
+    assert again == []
+
+
+async def test_several_versions_coexist_and_unused_ones_are_removed(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path)
+    for name in ("vllm-0.30.0", "vllm-0.33.0", "llamacpp-b6500", "llamacpp-b6600.partial", "notes"):
+        (paths.engines_dir / name).mkdir(parents=True)
+    (paths.engines_dir / "vllm-0.30.0" / MARKER).write_text("0.30.0")
+    keep = EngineInstall(("vllm",), "0.30.0", paths.engines_dir / "vllm-0.30.0")
+
+    removed = await remove_unused(paths, [keep])
+
+    assert [p.name for p in removed] == ["llamacpp-b6500", "llamacpp-b6600.partial", "vllm-0.33.0"]
+    assert sorted(p.name for p in paths.engines_dir.iterdir()) == ["notes", "vllm-0.30.0"]
+
+
+async def test_failed_install_says_what_happened_and_leaves_nothing_installed(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path / "app")
+    progress: list[DownloadProgress] = []
+
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine(
+            "vllm", "0.33.0", paths, progress.append, use_wsl=False, python=str(tmp_path / "no-python")
+        )
+
+    assert "Installing vLLM 0.33.0" in failure.value.problem.message
+    assert "no-python" in failure.value.problem.message
+    assert not (paths.engines_dir / "vllm-0.33.0" / MARKER).exists()
+    assert progress[-1].error is not None
+
+
+async def test_version_that_is_not_a_version_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ProvisionError):
+        await ensure_engine("vllm", "../../etc", Paths.under(tmp_path), lambda _: None, use_wsl=False)
+
+
+def test_pip_is_isolated_and_pins_the_version_with_the_cuda_torch_index(tmp_path: Path) -> None:
+    argv = pip_install_argv(host_place(tmp_path, "0.33.0", "/usr/bin/python3"), "0.33.0", cuda_driver=(12, 4))
+
+    assert argv[0] == str(tmp_path / "vllm-0.33.0" / "bin" / "python")
+    assert "--isolated" in argv and argv[-1] == "vllm==0.33.0"
+    assert argv[argv.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cu129"
+
+
+def test_offline_wheel_folder_uses_no_index(tmp_path: Path) -> None:
+    argv = pip_install_argv(host_place(tmp_path, "1.0", "py"), "1.0", find_links="/wheels")
+
+    assert argv[argv.index("--find-links") + 1] == "/wheels" and "--no-index" in argv
+
+
+def test_driver_older_than_cuda_12_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ProvisionError) as failure:
+        pip_install_argv(host_place(tmp_path, "0.33.0", "py"), "0.33.0", cuda_driver=(11, 8))
+
+    assert "Update the NVIDIA driver" in failure.value.problem.message
+
+
+def test_wsl_commands_run_inside_the_distro_from_its_home() -> None:
+    place = wsl_place("0.33.0", "Ubuntu", which=lambda _: "C:/Windows/System32/wsl.exe")
+
+    assert place.command([place.in_venv("vllm"), "serve"]) == [
+        "wsl.exe",
+        "-d",
+        "Ubuntu",
+        "--cd",
+        "~",
+        "--",
+        ".local/share/gpu-provider/engines/vllm-0.33.0/bin/vllm",
+        "serve",
+    ]
+    assert place.folder == PurePosixPath(".local/share/gpu-provider/engines/vllm-0.33.0")
+
+
+def test_wsl_default_distro_is_left_to_wsl() -> None:
+    place = VenvPlace(PurePosixPath("v"), "python3", wsl=True)
+
+    assert place.command(["python3", "-V"]) == ["wsl.exe", "--cd", "~", "--", "python3", "-V"]
+
+
+def test_missing_wsl_guides_the_person_to_install_it() -> None:
+    with pytest.raises(ProvisionError) as failure:
+        wsl_place("0.33.0", which=lambda _: None)
+
+    assert "wsl --install" in failure.value.problem.message
+
+
+@pytest.mark.parametrize(
+    ("line", "step"),
+    [
+        ("Collecting torch==2.14.0", "collecting torch==2.14.0"),
+        (
+            "  Downloading torch-2.14.0-cp311-manylinux.whl (900.1 MB)",
+            "downloading torch-2.14.0-cp311-manylinux.whl",
+        ),
+        ("Installing collected packages: a, b, vllm", "installing 3 packages"),
+        ("Successfully installed vllm-0.33.0", "installed"),
+        ("Requirement already satisfied: pip", None),
+    ],
+)
+def test_pip_output_becomes_short_steps(line: str, step: str | None) -> None:
+    assert pip_step(line) == step
+
+
+def test_child_environment_keeps_the_token_and_user_python_settings_out() -> None:
+    env = child_env(
+        {"PATH": "/bin", "GPU_PROVIDER_TOKEN": "secret", "PYTHONPATH": "/home/u/lib", "PIP_INDEX_URL": "x"}
+    )
+
+    assert env["PATH"] == "/bin" and env["PYTHONNOUSERSITE"] == "1"
+    assert "GPU_PROVIDER_TOKEN" not in env and "PYTHONPATH" not in env and "PIP_INDEX_URL" not in env

@@ -1,0 +1,190 @@
+"""The engine an assignment needs, installed before the supervisor starts it.
+
+Each version lives in its own folder under `paths.engines_dir` (`vllm-0.33.0`,
+`llamacpp-b6500`), so several coexist and switching back is free; `remove_unused` deletes
+the ones no assignment needs any more. A folder only counts as installed once its install
+finished and was checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator, Collection
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+from typing import Literal
+
+import httpx
+
+from worker.config import Paths
+from worker.events import Problem
+from worker.provision.download import Downloader
+from worker.provision.errors import ProvisionError
+from worker.provision.llamacpp_install import (
+    RELEASE_API,
+    Accelerator,
+    choose_assets,
+    fetch_manifest,
+    install_release,
+    normalise_build,
+    this_machine,
+)
+from worker.provision.progress import ProgressCallback
+from worker.provision.vllm_install import (
+    DEFAULT_VLLM_VERSION,
+    MARKER,
+    VenvPlace,
+    host_place,
+    install_vllm,
+    is_installed,
+    wsl_place,
+)
+
+_ENGINE_FOLDER = re.compile(r"^(vllm|llamacpp)-")
+_SERVER_NAMES = ("llama-server", "llama-server.exe")
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+_BUILD = re.compile(r"b\d+")
+
+
+@dataclass(frozen=True)
+class EngineInstall:
+    """What the supervisor starts: the argv prefix of the engine, its version and where it lives."""
+
+    executable: tuple[str, ...]
+    version: str
+    location: PurePath  # a folder here, or (inside WSL2) relative to the distro user's home
+    library_dir: Path | None = None  # for LD_LIBRARY_PATH / PATH where the build ships libraries
+
+
+async def ensure_engine(
+    engine: Literal["vllm", "llamacpp"],
+    version: str | None,
+    paths: Paths,
+    on_progress: ProgressCallback,
+    *,
+    index_url: str | None = None,
+    find_links: str | None = None,
+    cuda_driver: tuple[int, int] | None = None,
+    accelerator: Accelerator = "cpu",
+    python: str | None = None,
+    use_wsl: bool | None = None,
+    wsl_distro: str | None = None,
+    downloader: Downloader | None = None,
+    release_api: str = RELEASE_API,
+) -> EngineInstall:
+    """Find or install `engine` at `version` (None: the newest installed, else the default); raises `ProvisionError`.
+
+    vLLM: `index_url`/`find_links` choose where pip looks (a folder of wheels offline), and on
+    Windows (`use_wsl` None means "when on Windows") it goes inside WSL2. llama.cpp: the release
+    for this platform and `accelerator`, downloaded with `downloader` (one is made if not given).
+    """
+    if version is not None and not _VERSION.fullmatch(version):
+        raise ProvisionError(
+            Problem("Engine version not usable", f"{engine} version {version!r} is not a version number.")
+        )
+    if engine == "vllm":
+        wsl = os.name == "nt" if use_wsl is None else use_wsl
+        return await _ensure_vllm(
+            version, paths, on_progress, index_url, find_links, cuda_driver, python, wsl, wsl_distro
+        )
+    return await _ensure_llamacpp(
+        version, paths, on_progress, accelerator, cuda_driver, downloader, release_api
+    )
+
+
+async def _ensure_vllm(
+    version: str | None,
+    paths: Paths,
+    on_progress: ProgressCallback,
+    index_url: str | None,
+    find_links: str | None,
+    cuda_driver: tuple[int, int] | None,
+    python: str | None,
+    wsl: bool,
+    wsl_distro: str | None,
+) -> EngineInstall:
+    chosen = (
+        version or (None if wsl else _newest_installed(paths.engines_dir, "vllm")) or DEFAULT_VLLM_VERSION
+    )
+    place: VenvPlace = wsl_place(chosen, wsl_distro) if wsl else host_place(paths.engines_dir, chosen, python)
+    if not await is_installed(place, chosen):
+        await install_vllm(
+            place, chosen, on_progress, index_url=index_url, find_links=find_links, cuda_driver=cuda_driver
+        )
+    return EngineInstall(tuple(place.command([place.in_venv("vllm")])), chosen, place.folder)
+
+
+async def _ensure_llamacpp(
+    version: str | None,
+    paths: Paths,
+    on_progress: ProgressCallback,
+    accelerator: Accelerator,
+    cuda_driver: tuple[int, int] | None,
+    downloader: Downloader | None,
+    release_api: str,
+) -> EngineInstall:
+    build = normalise_build(version) if version else _newest_installed(paths.engines_dir, "llamacpp")
+    if build is not None:
+        installed = _installed_llamacpp(paths.engines_dir / f"llamacpp-{build}", build)
+        if installed is not None:
+            return installed
+    async with _downloader(downloader) as loader:
+        manifest = await fetch_manifest(loader.client, build, release_api)
+        assets = choose_assets(manifest, this_machine(accelerator, cuda_driver))
+        location = paths.engines_dir / f"llamacpp-{manifest.build}"
+        server = await install_release(assets, location, loader, on_progress, manifest.build)
+    return EngineInstall((str(server),), manifest.build, location, server.parent)
+
+
+@asynccontextmanager
+async def _downloader(given: Downloader | None) -> AsyncIterator[Downloader]:
+    if given is not None:
+        yield given
+        return
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0), follow_redirects=True) as client:
+        yield Downloader(client)
+
+
+def _installed_llamacpp(location: Path, build: str) -> EngineInstall | None:
+    servers = [p for p in location.rglob("*") if p.name in _SERVER_NAMES] if location.is_dir() else []
+    if not servers:
+        return None
+    server = min(servers, key=lambda p: len(p.parts))
+    return EngineInstall((str(server),), build, location, server.parent)
+
+
+def _newest_installed(engines_dir: Path, engine: str) -> str | None:
+    """The highest version already installed here (a finished install only)."""
+    versions = []
+    for folder in engines_dir.glob(f"{engine}-*") if engines_dir.is_dir() else ():
+        version = folder.name.removeprefix(f"{engine}-")
+        finished = (folder / MARKER).is_file() if engine == "vllm" else bool(_BUILD.fullmatch(version))
+        if folder.is_dir() and finished:
+            versions.append(version)
+    return max(versions, key=_version_key, default=None)
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", version))
+
+
+async def remove_unused(paths: Paths, keep: Collection[EngineInstall]) -> list[Path]:
+    """Delete every engine folder here (and unfinished leftovers) that no install in `keep` uses."""
+    kept = {Path(install.location) for install in keep}
+
+    def sweep() -> list[Path]:
+        removed = []
+        for folder in sorted(paths.engines_dir.glob("*")) if paths.engines_dir.is_dir() else ():
+            if _ENGINE_FOLDER.match(folder.name) and folder not in kept:
+                if folder.is_dir():
+                    shutil.rmtree(folder, ignore_errors=True)
+                else:
+                    folder.unlink(missing_ok=True)
+                removed.append(folder)
+        return removed
+
+    return await asyncio.to_thread(sweep)

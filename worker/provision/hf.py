@@ -1,0 +1,187 @@
+"""A Hugging Face repo into the model cache, through huggingface_hub, with a space check and progress.
+
+huggingface_hub owns the cache layout (blobs, snapshots, refs) and resumes its own `.incomplete`
+files; this module adds what the app needs around it: the free-space check before anything is
+written (from a dry run that lists the files and their sizes), progress events from how much of
+the repo is on disk, and failures a person can act on. Its calls block, so they run in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    DisabledRepoError,
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.file_download import repo_folder_name
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
+
+from worker.events import DownloadProgress, Problem
+from worker.provision.cache import tree_size
+from worker.provision.download import FreeBytes, ensure_free_space
+from worker.provision.errors import ProvisionError
+from worker.provision.progress import ProgressCallback, ProgressMeter
+
+
+class _SilentBar(tqdm):  # type: ignore[misc]
+    """huggingface_hub's bars would write to a console the app does not have; progress goes through events."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class RepoRequest:
+    repo_id: str
+    revision: str | None
+    cache_dir: Path
+    endpoint: str | None = None
+    allow_patterns: Sequence[str] | None = None
+
+    def call(self, **extra: Any) -> Any:
+        return snapshot_download(
+            self.repo_id,
+            revision=self.revision,
+            cache_dir=self.cache_dir,
+            endpoint=self.endpoint,
+            allow_patterns=list(self.allow_patterns) if self.allow_patterns else None,
+            tqdm_class=_SilentBar,
+            **extra,
+        )
+
+    @property
+    def storage(self) -> Path:
+        return self.cache_dir / repo_folder_name(repo_id=self.repo_id, repo_type="model")
+
+
+async def fetch_repo(
+    request: RepoRequest,
+    *,
+    what: str,
+    on_progress: ProgressCallback,
+    free_bytes: FreeBytes,
+    margin_bytes: int,
+    clock: Callable[[], float] = time.monotonic,
+    poll_s: float = 0.2,
+) -> Path:
+    """Download (or find in the cache) the repo's snapshot and return its folder."""
+    try:
+        files = await _plan_or_none(request)
+        if files is None:
+            return await _cached_snapshot(request, what, on_progress)
+        total = sum(f.file_size or 0 for f in files)
+        missing = sum(f.file_size or 0 for f in files if f.will_download)
+        request.cache_dir.mkdir(parents=True, exist_ok=True)
+        ensure_free_space(request.cache_dir, missing + margin_bytes, free_bytes, what)
+        meter = ProgressMeter(what, on_progress, clock=clock)
+        meter.start(total - missing, total)
+        snapshot = await _download_watching(request, meter, total - missing, total, poll_s)
+    except ProvisionError as exc:
+        _report_failure(on_progress, what, exc)
+        raise
+    except Exception as exc:
+        failure = ProvisionError(_problem(exc, request))
+        _report_failure(on_progress, what, failure)
+        raise failure from exc
+    meter.finish()
+    return snapshot
+
+
+async def _plan_or_none(request: RepoRequest) -> list[Any] | None:
+    """The files a download would fetch, or None when the Hub cannot be reached right now."""
+    try:
+        return await asyncio.to_thread(request.call, dry_run=True)
+    except Exception as exc:
+        if _problem(exc, request).action == "check_network":
+            return None
+        raise
+
+
+async def _cached_snapshot(request: RepoRequest, what: str, on_progress: ProgressCallback) -> Path:
+    """Offline: a snapshot already complete in the cache is good enough (huggingface_hub checks that)."""
+    snapshot = Path(await asyncio.to_thread(request.call, local_files_only=True))
+    on_progress(DownloadProgress(what, 0, None, finished=True))
+    return snapshot
+
+
+def _report_failure(on_progress: ProgressCallback, what: str, failure: ProvisionError) -> None:
+    on_progress(DownloadProgress(what, 0, None, error=failure.problem.message))
+
+
+async def _download_watching(
+    request: RepoRequest, meter: ProgressMeter, already: int, total: int, poll_s: float
+) -> Path:
+    """Run the download in a thread; meanwhile report the bytes that have landed in the repo folder."""
+    size_before = await asyncio.to_thread(_size_or_zero, request.storage)
+    task = asyncio.ensure_future(asyncio.to_thread(request.call))
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll_s)
+        landed = await asyncio.to_thread(_size_or_zero, request.storage) - size_before
+        meter.update(min(already + max(landed, 0), total))
+    return Path(task.result())
+
+
+def _size_or_zero(path: Path) -> int:
+    return tree_size(path) if path.exists() else 0
+
+
+def _problem(exc: BaseException, request: RepoRequest) -> Problem:
+    """Map huggingface_hub's failure (or the one it wraps) to what a person should read and do."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        known = _known_problem(cause, request)
+        if known is not None:
+            return known
+        cause = cause.__cause__
+    return Problem(
+        "Model download failed",
+        f"Downloading {request.repo_id} from Hugging Face failed: {exc}. Check the network and try again.",
+        action="check_network",
+    )
+
+
+def _known_problem(exc: BaseException, request: RepoRequest) -> Problem | None:
+    repo = request.repo_id
+    if isinstance(exc, RevisionNotFoundError):
+        return Problem(
+            "Model revision not found", f"{repo} has no revision {request.revision!r} on Hugging Face."
+        )
+    if isinstance(exc, (GatedRepoError, DisabledRepoError)):
+        return Problem(
+            "Model not accessible",
+            f"{repo} on Hugging Face is gated or disabled; sign in to Hugging Face with an account that has "
+            "access (set HF_TOKEN), or ask the network for another model.",
+            action="settings",
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return Problem("Model not found", f"There is no model {repo} on Hugging Face (or it is private).")
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return Problem(
+            "Disk full",
+            f"The disk holding {request.cache_dir} filled up while downloading {repo}. Free some space.",
+            action="free_disk",
+        )
+    if isinstance(exc, (LocalEntryNotFoundError, httpx2.TransportError)) or (
+        isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code >= 500
+    ):
+        return Problem(
+            "Cannot reach Hugging Face",
+            f"Downloading {repo} failed ({exc.__class__.__name__}). Check the network; the download resumes "
+            "where it stopped.",
+            action="check_network",
+        )
+    return None

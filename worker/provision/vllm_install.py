@@ -1,0 +1,276 @@
+"""vLLM into a virtual environment the app owns, on this machine or inside WSL2 on Windows.
+
+Every step is a child process with an argument list (no shell) run through a `VenvPlace`, which
+knows where the venv lives and how a command reaches it: directly, or through
+`wsl.exe -d DISTRO --cd ~ -- …` with the venv under the distro user's home. So the same steps
+serve Linux and Windows, and the user's own Python and packages are never touched: the venv is
+made from a base interpreter and pip runs isolated from the user's configuration.
+
+Which CUDA build: vLLM's wheels on PyPI carry CUDA 12.9 binaries and pin their torch; vLLM's
+install guide pairs them with the PyTorch index for the same CUDA (`…/whl/cu129`), which this
+module adds as an extra index. CUDA's minor-version compatibility lets those run on any driver
+for CUDA 12 or newer, so a driver older than CUDA 12 is refused with a message to update it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePath, PurePosixPath
+
+from worker.events import DownloadProgress, Problem
+from worker.provision.errors import ProvisionError
+from worker.provision.progress import ProgressCallback
+
+DEFAULT_VLLM_VERSION = "0.33.0"
+VLLM_CUDA_TAG = "cu129"
+TORCH_INDEX = "https://download.pytorch.org/whl/{tag}"
+MIN_DRIVER_CUDA = (12, 0)
+WSL_ENGINES_DIR = PurePosixPath(".local/share/gpu-provider/engines")
+MARKER = ".gpu-provider-installed"
+_SCRUBBED_ENV = (
+    "GPU_PROVIDER_TOKEN",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "VIRTUAL_ENV",
+    "CONDA_PREFIX",
+)
+_OUTPUT_TAIL_LINES = 15
+
+# Run with the venv's python: exit 0 when the marker names `version` and vLLM's metadata agrees.
+_PROBE = """
+import importlib.metadata, pathlib, sys
+folder, version = pathlib.Path(sys.argv[1]), sys.argv[2]
+marker = folder / sys.argv[3]
+ok = marker.is_file() and marker.read_text().strip() == version
+sys.exit(0 if ok and importlib.metadata.version("vllm") == version else 1)
+"""
+# Run with the venv's python after pip: check what pip installed, then write the marker.
+_SEAL = """
+import importlib.metadata, pathlib, sys
+folder, version = pathlib.Path(sys.argv[1]), sys.argv[2]
+found = importlib.metadata.version("vllm")
+if found != version:
+    sys.exit(f"pip installed vllm {found}, not {version}")
+(folder / sys.argv[3]).write_text(version)
+"""
+_REMOVE = "import shutil, sys; shutil.rmtree(sys.argv[1], ignore_errors=True)"
+
+
+@dataclass(frozen=True)
+class VenvPlace:
+    """Where one vLLM venv lives and how commands reach it (`wsl` False: this machine)."""
+
+    folder: PurePath  # absolute here; relative to the distro user's home in WSL
+    base_python: str
+    wsl: bool = False
+    wsl_distro: str | None = None
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        if not self.wsl:
+            return list(argv)
+        distro = ["-d", self.wsl_distro] if self.wsl_distro else []
+        return ["wsl.exe", *distro, "--cd", "~", "--", *argv]
+
+    def in_venv(self, name: str) -> str:
+        return (
+            str(self.folder / "bin" / name)
+            if self.wsl or os.name != "nt"
+            else str(self.folder / "Scripts" / name)
+        )
+
+
+def host_place(engines_dir: Path, version: str, python: str | None = None) -> VenvPlace:
+    return VenvPlace(engines_dir / f"vllm-{version}", python or base_python())
+
+
+def wsl_place(
+    version: str, distro: str | None = None, *, which: Callable[[str], str | None] = shutil.which
+) -> VenvPlace:
+    """The venv inside WSL2; a person without WSL2 is told how to turn it on."""
+    if which("wsl.exe") is None:
+        raise ProvisionError(
+            Problem(
+                "vLLM needs WSL2",
+                "On Windows, vLLM runs inside WSL2, which is not installed. Open PowerShell as "
+                "administrator, run `wsl --install`, restart the computer, open Ubuntu once to finish "
+                "its setup, then resume the app.",
+                action="settings",
+            )
+        )
+    return VenvPlace(WSL_ENGINES_DIR / f"vllm-{version}", "python3", wsl=True, wsl_distro=distro)
+
+
+def base_python() -> str:
+    """An interpreter to make venvs from: ours, unless we are a frozen app (then python3 on PATH)."""
+    if not getattr(sys, "frozen", False):
+        return sys.executable
+    found = shutil.which("python3")
+    if found is None:
+        raise ProvisionError(
+            Problem(
+                "Python 3 is missing",
+                "Installing vLLM needs Python 3.11 or newer on this machine (python3). Install it from "
+                "your system's packages, then resume the app.",
+            )
+        )
+    return found
+
+
+def pip_install_argv(
+    place: VenvPlace,
+    version: str,
+    *,
+    index_url: str | None = None,
+    find_links: str | None = None,
+    cuda_driver: tuple[int, int] | None = None,
+) -> list[str]:
+    """pip, isolated from the user's pip config, installing exactly `vllm==version`."""
+    if cuda_driver is not None and cuda_driver < MIN_DRIVER_CUDA:
+        raise ProvisionError(
+            Problem(
+                "NVIDIA driver too old for vLLM",
+                f"The installed NVIDIA driver supports CUDA {cuda_driver[0]}.{cuda_driver[1]}; vLLM needs a "
+                "driver for CUDA 12 or newer. Update the NVIDIA driver, then resume the app.",
+            )
+        )
+    argv = [place.in_venv("python"), "-m", "pip", "install", "--isolated", "--progress-bar", "off"]
+    if find_links is not None:
+        argv += ["--no-index", "--find-links", find_links]
+    else:
+        if index_url is not None:
+            argv += ["--index-url", index_url]
+        argv += ["--extra-index-url", TORCH_INDEX.format(tag=VLLM_CUDA_TAG)]
+    return [*argv, f"vllm=={version}"]
+
+
+def pip_step(line: str) -> str | None:
+    """A short description of what pip is doing, from one line of its output (None: not a step)."""
+    line = line.strip()
+    match = re.match(
+        r"(Collecting|Downloading|Processing|Building wheel for|Installing collected packages:)\s*(.*)", line
+    )
+    if match is None:
+        return "installed" if line.startswith("Successfully installed") else None
+    verb, rest = match.groups()
+    if verb.startswith("Installing"):
+        return f"installing {len(rest.split(','))} packages"
+    return f"{verb.lower()} {rest.split(' ')[0]}"
+
+
+def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for pip and venv: the user's site and the provider token kept out."""
+    env = {
+        k: v
+        for k, v in (base if base is not None else os.environ).items()
+        if k not in _SCRUBBED_ENV and not k.startswith("PIP_")
+    }
+    env.update(PYTHONNOUSERSITE="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    return env
+
+
+class StepReporter:
+    """Install steps as progress events (no byte counts: pip does not give a total), ≤ 5 a second."""
+
+    def __init__(
+        self, what: str, on_progress: ProgressCallback, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.what = what
+        self._on_progress = on_progress
+        self._clock = clock
+        self._last: float | None = None
+
+    def step(self, description: str, *, force: bool = False) -> None:
+        now = self._clock()
+        if not force and self._last is not None and now - self._last < 0.2:
+            return
+        self._last = now
+        self._on_progress(DownloadProgress(f"{self.what}: {description}", 0, None))
+
+    def finish(self) -> None:
+        self._on_progress(DownloadProgress(self.what, 0, None, finished=True))
+
+    def fail(self, message: str) -> None:
+        self._on_progress(DownloadProgress(self.what, 0, None, error=message))
+
+
+async def run_logged(argv: Sequence[str], on_line: Callable[[str], None]) -> tuple[int, list[str]]:
+    """Run a child (argv, no shell), feeding each output line to `on_line`; returns rc and the last lines."""
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=child_env(),
+    )
+    tail: list[str] = []
+    assert process.stdout is not None
+    async for raw in process.stdout:
+        line = raw.decode("utf-8", "replace").rstrip()
+        on_line(line)
+        tail = (tail + [line])[-_OUTPUT_TAIL_LINES:]
+    return await process.wait(), tail
+
+
+async def is_installed(place: VenvPlace, version: str) -> bool:
+    argv = place.command([place.in_venv("python"), "-c", _PROBE, str(place.folder), version, MARKER])
+    try:
+        rc, _ = await run_logged(argv, lambda _: None)
+    except OSError:
+        return False
+    return rc == 0
+
+
+async def install_vllm(
+    place: VenvPlace,
+    version: str,
+    on_progress: ProgressCallback,
+    *,
+    index_url: str | None = None,
+    find_links: str | None = None,
+    cuda_driver: tuple[int, int] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Make the venv and pip-install vLLM into it; a failed attempt leaves nothing that looks installed."""
+    reporter = StepReporter(f"engine vllm {version}", on_progress, clock)
+    pip_argv = pip_install_argv(
+        place, version, index_url=index_url, find_links=find_links, cuda_driver=cuda_driver
+    )
+    steps = (
+        ("removing an unfinished install", [place.base_python, "-c", _REMOVE, str(place.folder)]),
+        ("creating the virtual environment", [place.base_python, "-m", "venv", str(place.folder)]),
+        ("installing with pip", pip_argv),
+        ("checking the install", [place.in_venv("python"), "-c", _SEAL, str(place.folder), version, MARKER]),
+    )
+    for description, argv in steps:
+        reporter.step(description, force=True)
+        await _run_step(place, argv, version, reporter)
+    reporter.finish()
+
+
+async def _run_step(place: VenvPlace, argv: list[str], version: str, reporter: StepReporter) -> None:
+    def on_line(line: str) -> None:
+        step = pip_step(line)
+        if step is not None:
+            reporter.step(step)
+
+    try:
+        rc, tail = await run_logged(place.command(argv), on_line)
+    except OSError as exc:
+        rc, tail = -1, [str(exc)]
+    if rc == 0:
+        return
+    message = (
+        f"Installing vLLM {version} into {place.folder} failed (exit {rc}). The last lines were:\n"
+        + "\n".join(tail)
+        + "\nCheck the network connection and free disk space, then resume the app to try again."
+    )
+    reporter.fail(message)
+    raise ProvisionError(Problem(f"Could not install vLLM {version}", message, action="check_network"))
