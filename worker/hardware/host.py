@@ -1,0 +1,123 @@
+"""The host around the GPUs: operating system, kernel, CPU, RAM and, on a Mac, the Apple chip.
+
+`read_host()` reads the live machine with cheap calls only (no system_profiler, no nvidia-smi), so
+`detect` stays well under a second. `HostFacts` is plain data, recorded and replayed with the NVML
+readings.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+MIB = 1024 * 1024
+APPLE_WORKING_SET_SHARE = 0.75  # Metal's recommendedMaxWorkingSetSize on Apple Silicon, ≈ 75 % of RAM
+
+Runner = Callable[[list[str], float], str | None]
+
+
+@dataclass(frozen=True)
+class AppleFacts:
+    chip: str
+    unified_memory_mib: int
+
+    @property
+    def recommended_working_set_mib(self) -> int:
+        return int(self.unified_memory_mib * APPLE_WORKING_SET_SHARE)
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    system: str  # platform.system(): "Linux", "Windows", "Darwin"
+    machine: str  # "x86_64", "arm64", "AMD64"
+    kernel_release: str  # /proc/sys/kernel/osrelease on Linux (has "microsoft" under WSL2)
+    cpu_model: str
+    cpu_cores: int
+    ram_mib: int
+    apple: AppleFacts | None = None
+
+    @property
+    def os(self) -> str:
+        return {"Linux": "linux", "Windows": "windows", "Darwin": "macos"}.get(self.system, self.system.lower())
+
+    @property
+    def arch(self) -> str:
+        return {"AMD64": "x86_64", "aarch64": "arm64"}.get(self.machine, self.machine)
+
+    @property
+    def is_wsl2(self) -> bool:
+        release = self.kernel_release.lower()
+        return self.system == "Linux" and ("microsoft" in release or "wsl" in release)
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> HostFacts:
+        apple = data.get("apple")
+        return cls(
+            system=str(data["system"]),
+            machine=str(data["machine"]),
+            kernel_release=str(data.get("kernel_release", "")),
+            cpu_model=str(data.get("cpu_model", "unknown")),
+            cpu_cores=int(data.get("cpu_cores", 1)),  # type: ignore[call-overload]
+            ram_mib=int(data["ram_mib"]),  # type: ignore[call-overload]
+            apple=AppleFacts(**apple) if isinstance(apple, dict) else None,
+        )
+
+
+def run_quietly(argv: list[str], timeout_s: float) -> str | None:
+    """Run a probe (argv list, never a shell) and return its stdout, or None when it fails or hangs."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def read_host(run: Runner = run_quietly) -> HostFacts:
+    system = platform.system()
+    machine = platform.machine()
+    apple = _read_apple(run) if system == "Darwin" and machine == "arm64" else None
+    return HostFacts(
+        system=system,
+        machine=machine,
+        kernel_release=_kernel_release(),
+        cpu_model=apple.chip if apple else _cpu_model(system, run),
+        cpu_cores=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
+        ram_mib=psutil.virtual_memory().total // MIB,
+        apple=apple,
+    )
+
+
+def _kernel_release() -> str:
+    try:
+        return Path("/proc/sys/kernel/osrelease").read_text(encoding="utf-8").strip()
+    except OSError:
+        return platform.release()
+
+
+def _cpu_model(system: str, run: Runner) -> str:
+    if system == "Linux":
+        try:
+            for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+    if system == "Darwin":
+        brand = run(["sysctl", "-n", "machdep.cpu.brand_string"], 2.0)
+        if brand:
+            return brand.strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _read_apple(run: Runner) -> AppleFacts | None:
+    brand = run(["sysctl", "-n", "machdep.cpu.brand_string"], 2.0)
+    memsize = run(["sysctl", "-n", "hw.memsize"], 2.0)
+    if not brand or not memsize or not memsize.strip().isdigit():
+        return None
+    return AppleFacts(chip=brand.strip(), unified_memory_mib=int(memsize.strip()) // MIB)
