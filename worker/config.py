@@ -44,7 +44,7 @@ class Paths:
             data_dir=Path(dirs.user_data_dir),
             cache_dir=Path(dirs.user_cache_dir),
             log_dir=Path(dirs.user_log_dir),
-            run_dir=Path(dirs.user_data_dir) / "run",  # pid files must outlive a reboot's tmpfs
+            run_dir=Path(dirs.user_data_dir) / "run",  # XDG_RUNTIME_DIR is often unset (servers, CI)
         )
 
     @classmethod

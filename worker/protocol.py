@@ -325,7 +325,7 @@ def _decode(frame: str | bytes) -> dict[str, Any]:
         if len(frame) > MAX_FRAME_BYTES:
             raise BadMessage(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES}-byte limit")
         raise BadMessage("binary frames are not part of the protocol; send text")
-    if len(frame) > MAX_FRAME_BYTES // 4 and len(frame.encode("utf-8")) > MAX_FRAME_BYTES:
+    if len(frame) > MAX_FRAME_BYTES // 4 and len(frame.encode("utf-8", "surrogatepass")) > MAX_FRAME_BYTES:
         raise BadMessage(f"frame is over the {MAX_FRAME_BYTES}-byte limit")
     try:
         data = json.loads(frame)
