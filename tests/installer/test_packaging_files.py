@@ -1,0 +1,120 @@
+"""The installer files that cannot be built here are still parsed and cross-checked here."""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import importlib.util
+import plistlib
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from worker import autostart
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALLER = REPO / "installer"
+
+
+def load_entry() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "frozen_entry", INSTALLER / "entry.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--data-dir", "/d", "detect"], "/d"),
+        (["detect", "--data-dir=/e"], "/e"),
+        (["--quit-after", "5"], None),
+        (["--data-dir"], None),
+    ],
+)
+def test_the_entry_point_finds_the_data_dir_like_the_cli(
+    argv: list[str], expected: str | None
+) -> None:
+    assert load_entry().data_dir_from(argv) == expected
+
+
+def test_the_launch_agent_template_matches_what_the_app_writes() -> None:
+    template = (INSTALLER / "macos" / "net.gpu-provider.app.plist").read_bytes()
+    agent = plistlib.loads(
+        template.replace(b"@APP_PATH@", b"/Applications/GPU Provider.app")
+    )
+    written = autostart.LaunchAgent(
+        ["/Applications/GPU Provider.app/Contents/MacOS/gpu-provider", "--minimized"]
+    ).plist()
+    assert agent["Label"] == written["Label"] == autostart.LAUNCH_AGENT_LABEL
+    assert agent["ProgramArguments"] == written["ProgramArguments"]
+    assert agent["RunAtLoad"] is True
+
+
+def test_the_entitlements_parse() -> None:
+    entitlements = plistlib.loads(
+        (INSTALLER / "macos" / "entitlements.plist").read_bytes()
+    )
+    assert (
+        entitlements["com.apple.security.cs.allow-unsigned-executable-memory"] is True
+    )
+
+
+def test_build_spec_is_python_and_makes_the_bundle_tray_only() -> None:
+    tree = ast.parse((REPO / "build.spec").read_text())
+    keys = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    assert {"LSUIElement", "keyring.backends", "assets", "PySide6.QtSvg"} <= keys
+    assert (INSTALLER / "entry.py").is_file()
+
+
+def test_the_desktop_entry_runs_the_command_with_the_installed_icon() -> None:
+    entry = configparser.ConfigParser(interpolation=None)
+    entry.optionxform = str  # type: ignore[assignment,method-assign]
+    entry.read(INSTALLER / "linux" / "gpu-provider.desktop")
+    section = entry["Desktop Entry"]
+    assert (section["Type"], section["Exec"], section["Icon"], section["Terminal"]) == (
+        "Application",
+        "gpu-provider",
+        "gpu-provider",
+        "false",
+    )
+
+
+def test_the_windows_installer_is_per_user_and_agrees_with_the_apps_autostart() -> None:
+    script = (INSTALLER / "windows" / "gpu-provider.iss").read_text()
+    assert "PrivilegesRequired=lowest" in script
+    assert f'ValueName: "{autostart.APP_ID}"' in script and "--minimized" in script
+    assert "function PrepareToInstall" in script and "/F /T /IM" in script
+    assert script.count("begin") == script.count("end;") + script.count("end.")
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "linux/build-deb.sh",
+        "linux/smoke-test.sh",
+        "macos/build-app.sh",
+        "linux/postinst",
+        "linux/postrm",
+    ],
+)
+def test_shell_scripts_parse_and_are_executable(script: str) -> None:
+    path = INSTALLER / script
+    assert path.stat().st_mode & 0o111
+    checked = subprocess.run(
+        ["bash", "-n", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stderr

@@ -1,0 +1,222 @@
+"""Fetch an update archive: resumable with HTTP Range, with progress, then checked by sha256.
+
+The partial file survives interruptions (and app restarts), so a dropped connection costs only
+what was not yet received. Nothing is trusted until the whole file's hash equals the signed one;
+a file that fails that check is deleted, never installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+
+from worker.events import DownloadProgress
+from worker.update.verify import UpdateRefused
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[DownloadProgress], None]
+MAX_ARCHIVE_BYTES = 4 * 1024**3
+FLUSH_BYTES = 1024 * 1024
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+class _Interrupted(Exception):
+    """The body ended before its announced length: resume from what arrived."""
+
+
+@dataclass(frozen=True)
+class DownloadPolicy:
+    """How hard to try; delays injectable so tests run in milliseconds."""
+
+    attempts: int = 5
+    retry_delay_s: float = 2.0
+    progress_interval_s: float = 0.25
+    max_bytes: int = MAX_ARCHIVE_BYTES
+
+
+async def download_verified(
+    client: httpx.AsyncClient,
+    url: str,
+    destination: Path,
+    *,
+    sha256: str,
+    what: str,
+    on_progress: ProgressCallback,
+    policy: DownloadPolicy = DownloadPolicy(),
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> Path:
+    """Download `url` to `destination` (via `destination.part`) and return it once its hash matches."""
+    part = destination.with_name(destination.name + ".part")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    fetch = _Fetch(client, url, part, what, on_progress, policy, clock)
+    try:
+        await _with_retries(fetch, policy, sleep)
+        await _check_hash(part, sha256, what)
+    except UpdateRefused as exc:
+        on_progress(
+            DownloadProgress(
+                what, fetch.done_bytes(), fetch.total, finished=True, error=str(exc)
+            )
+        )
+        raise
+    os.replace(part, destination)
+    on_progress(
+        DownloadProgress(what, destination.stat().st_size, fetch.total, finished=True)
+    )
+    return destination
+
+
+async def _with_retries(
+    fetch: _Fetch, policy: DownloadPolicy, sleep: Callable[[float], Awaitable[None]]
+) -> None:
+    for attempt in range(1, policy.attempts + 1):
+        try:
+            await fetch.once()
+            return
+        except (httpx.TransportError, _Interrupted) as exc:
+            if attempt == policy.attempts:
+                raise UpdateRefused(
+                    f"could not download {fetch.what} after {attempt} attempts ({exc}); "
+                    f"{fetch.done_bytes()} bytes are kept to resume next time"
+                ) from None
+            delay = policy.retry_delay_s * 2 ** (attempt - 1)
+            log.info(
+                "download of %s interrupted (%s); resuming in %.1f s",
+                fetch.what,
+                exc,
+                delay,
+            )
+            await sleep(delay)
+
+
+class _Fetch:
+    """One download's state across attempts: where it resumes from and how big it is."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        part: Path,
+        what: str,
+        on_progress: ProgressCallback,
+        policy: DownloadPolicy,
+        clock: Callable[[], float],
+    ) -> None:
+        self.client, self.url, self.part, self.what = client, url, part, what
+        self.on_progress, self.policy, self.clock = on_progress, policy, clock
+        self.total: int | None = None
+        self.started = clock()
+        self.resumed_from = self.done_bytes()
+
+    def done_bytes(self) -> int:
+        return self.part.stat().st_size if self.part.exists() else 0
+
+    async def once(self) -> None:
+        offset = self.done_bytes()
+        headers = {"Accept-Encoding": "identity"}
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+        async with self.client.stream("GET", self.url, headers=headers) as response:
+            append = self._accept(response, offset)
+            await self._write_body(response, append)
+        done = self.done_bytes()
+        if self.total is not None and done < self.total:
+            raise _Interrupted(f"received {done} of {self.total} bytes")
+
+    def _accept(self, response: httpx.Response, offset: int) -> bool:
+        """Check the response and learn the total size; True when it continues the partial file."""
+        if response.status_code == 416 and offset:
+            self.part.unlink()
+            raise _Interrupted("the server refused to resume; starting over")
+        if response.status_code >= 500:
+            raise _Interrupted(f"the server answered HTTP {response.status_code}")
+        if response.status_code not in (200, 206):
+            raise UpdateRefused(
+                f"downloading {self.what} failed: HTTP {response.status_code} from {self.url}"
+            )
+        if response.status_code == 206 and offset:
+            self.total = _resumed_total(response, offset)
+            return True
+        length = response.headers.get("content-length")
+        self.total = int(length) if length and length.isdigit() else None
+        return False
+
+    async def _write_body(self, response: httpx.Response, append: bool) -> None:
+        """Append the body to the partial file; disk writes go to a thread, in blocks of FLUSH_BYTES."""
+        if self.total is not None and self.total > self.policy.max_bytes:
+            raise UpdateRefused(
+                f"{self.what} is {self.total} bytes, over the {self.policy.max_bytes}-byte limit"
+            )
+        done = self.done_bytes() if append else 0
+        out = await asyncio.to_thread(open, self.part, "ab" if append else "wb")
+        pending = bytearray()
+        last_report = 0.0
+        try:
+            async for chunk in response.aiter_raw():
+                pending += chunk
+                done += len(chunk)
+                if done > self.policy.max_bytes:
+                    raise UpdateRefused(
+                        f"{self.what} is over the {self.policy.max_bytes}-byte limit"
+                    )
+                if len(pending) >= FLUSH_BYTES:
+                    await asyncio.to_thread(out.write, bytes(pending))
+                    pending.clear()
+                now = self.clock()
+                if now - last_report >= self.policy.progress_interval_s:
+                    last_report = now
+                    self._report(done, now)
+        finally:
+            await asyncio.to_thread(_finish, out, bytes(pending))
+
+    def _report(self, done: int, now: float) -> None:
+        elapsed = now - self.started
+        rate = (done - self.resumed_from) / elapsed if elapsed > 0 else None
+        eta = (self.total - done) / rate if rate and self.total is not None else None
+        self.on_progress(
+            DownloadProgress(self.what, done, self.total, rate_bps=rate, eta_s=eta)
+        )
+
+
+def _finish(out: BinaryIO, pending: bytes) -> None:
+    """Keep what arrived, even when the connection dropped: the next attempt resumes after it."""
+    with out:
+        out.write(pending)
+
+
+def _resumed_total(response: httpx.Response, offset: int) -> int | None:
+    match = _CONTENT_RANGE.fullmatch(response.headers.get("content-range", "").strip())
+    if match is None or int(match.group(1)) != offset:
+        raise _Interrupted(
+            "the server's Content-Range does not continue the partial file"
+        )
+    return None if match.group(3) == "*" else int(match.group(3))
+
+
+async def _check_hash(part: Path, expected: str, what: str) -> None:
+    actual = await asyncio.to_thread(_sha256_of, part)
+    if actual != expected:
+        part.unlink(missing_ok=True)
+        raise UpdateRefused(
+            f"{what}: the download's sha256 {actual} is not the signed {expected}; deleted it"
+        )
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        for block in iter(lambda: source.read(1024 * 1024), b""):
+            digest.update(block)
+    return digest.hexdigest()
