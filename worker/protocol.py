@@ -8,9 +8,16 @@ on this module, so the app and its test peer can never disagree about a shape. T
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -285,11 +292,11 @@ class Error(_Message):
 
 
 CoordinatorMessage = Annotated[
-    Union[Welcome, Assign, Unassign, Pause, Resume, Request, Cancel, Update, Error],
+    Welcome | Assign | Unassign | Pause | Resume | Request | Cancel | Update | Error,
     Field(discriminator="type"),
 ]
 NodeMessage = Annotated[
-    Union[Hello, Status, ResponseHead, ResponseChunk, ResponseEnd, ResponseError, Error],
+    Hello | Status | ResponseHead | ResponseChunk | ResponseEnd | ResponseError | Error,
     Field(discriminator="type"),
 ]
 _FROM_COORDINATOR: TypeAdapter[Any] = TypeAdapter(CoordinatorMessage)
@@ -380,4 +387,4 @@ def encode(message: BaseModel) -> str:
 
 def signed_update_payload(version: str, sha256: str) -> bytes:
     """The bytes an update's Ed25519 signature covers (version and hash bound together)."""
-    return f"gpu-provider-update:{version}:{sha256.lower()}".encode("utf-8")
+    return f"gpu-provider-update:{version}:{sha256.lower()}".encode()

@@ -1,0 +1,102 @@
+"""The one QObject that holds the core's Node and turns its snapshots into a Qt signal.
+
+The Node calls back on the core's loop thread; emitting a signal whose receivers live in the GUI
+thread queues the call there, so widgets are only touched on the GUI thread. Commands go the
+other way as plain method calls, which the Node makes thread-safe.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from PySide6.QtCore import QObject, Signal
+
+from worker.config import Settings
+from worker.events import NodeSnapshot, Problem
+
+TOMORROW_HOUR = 6  # "until tomorrow" means tomorrow morning, not midnight tonight
+
+
+class NodeLike(Protocol):
+    """The Node surface the app uses (worker/node.py, or a scripted stand-in in tests)."""
+
+    async def run(self) -> None: ...
+
+    def subscribe(self, callback: Callable[[NodeSnapshot], None]) -> Callable[[], None]: ...
+
+    def snapshot(self) -> NodeSnapshot: ...
+
+    def pause(self, duration_s: float | None = None, reason: str = "user") -> None: ...
+
+    def resume(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def apply_settings(self, settings: Settings) -> None: ...
+
+    def history(self, series: str, since: float) -> list[tuple[float, float]]: ...
+
+    def log_files(self) -> dict[str, Path]: ...
+
+
+def seconds_until_tomorrow(now: dt.datetime) -> float:
+    """Seconds from `now` (local, naive) to tomorrow at TOMORROW_HOUR:00."""
+    tomorrow = (now + dt.timedelta(days=1)).replace(hour=TOMORROW_HOUR, minute=0, second=0, microsecond=0)
+    return (tomorrow - now).total_seconds()
+
+
+class Bridge(QObject):
+    snapshot_changed = Signal(object)  # NodeSnapshot
+    core_failed = Signal(object)  # Problem: the core itself stopped, so no snapshot will say so
+
+    def __init__(self, node: NodeLike, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.node = node
+        self.latest: NodeSnapshot = node.snapshot()
+        self.snapshot_changed.connect(self._remember)
+        self._unsubscribe = node.subscribe(self.snapshot_changed.emit)
+
+    def _remember(self, snapshot: NodeSnapshot) -> None:
+        self.latest = snapshot
+
+    def report_core_failure(self, error: BaseException) -> None:
+        """Called on the core's thread as it dies; the signal carries the news to the GUI thread."""
+        self.core_failed.emit(
+            Problem(
+                "GPU Provider stopped serving",
+                f"The serving core stopped after an error ({type(error).__name__}: {error}). "
+                "Quit and start GPU Provider again; View logs has the details.",
+            )
+        )
+
+    def pause(self) -> None:
+        self.node.pause(None, "user")
+
+    def pause_for(self, seconds: float) -> None:
+        self.node.pause(seconds, "timed")
+
+    def pause_until_tomorrow(self, now: Callable[[], dt.datetime] = dt.datetime.now) -> None:
+        self.pause_for(seconds_until_tomorrow(now()))
+
+    def resume(self) -> None:
+        self.node.resume()
+
+    def apply_settings(self, settings: Settings) -> None:
+        self.node.apply_settings(settings)
+
+    def history(
+        self, series: str, window_s: float, clock: Callable[[], float] = time.time
+    ) -> list[tuple[float, float]]:
+        return self.node.history(series, clock() - window_s)
+
+    def log_files(self) -> dict[str, Path]:
+        return self.node.log_files()
+
+    def shutdown(self) -> None:
+        """Stop listening, then ask the core to stop its engines and end its loop."""
+        self._unsubscribe()
+        self.node.shutdown()

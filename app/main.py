@@ -1,0 +1,200 @@
+"""Start the desktop app: one instance per data folder, the core on its own thread, a tray icon
+(or the dashboard where there is no tray), and a Quit that stops the engines before exiting."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from PySide6.QtCore import QObject, QTimer
+from PySide6.QtNetwork import QLocalServer, QLocalSocket
+from PySide6.QtWidgets import QApplication, QSystemTrayIcon
+
+from app.bridge import Bridge, NodeLike
+from app.core_thread import CoreThread
+from app.dashboard import Dashboard
+from app.icons import state_icon
+from app.logs import LogsWindow, redact_token
+from app.settings import SettingsDialog
+from app.signin import SignInDialog
+from app.tray import Tray
+from worker import applog, autostart, secrets
+from worker.config import Paths, Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_WAIT_S = 60.0  # engines drain and stop within their grace period
+SHOW_MESSAGE = b"show\n"
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gpu-provider", description="GPU Provider desktop app")
+    parser.add_argument("--data-dir", help="keep settings, models and logs under this folder")
+    parser.add_argument("--coordinator", help="coordinator URL, or 'local' for the built-in one")
+    parser.add_argument("--hardware", type=Path, help="use recorded hardware (detect JSON) instead of detecting")
+    parser.add_argument(
+        "--engine-bin", action="append", default=[], metavar="ENGINE=PATH", help="use this engine executable"
+    )
+    parser.add_argument("--quit-after", type=float, metavar="SECONDS", help="quit after this long (smoke tests)")
+    parser.add_argument("--minimized", action="store_true", help="start in the tray without opening the window")
+    args = parser.parse_args(list(argv))
+    try:
+        args.engine_bins = dict(_engine_bin(item) for item in args.engine_bin)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def _engine_bin(item: str) -> tuple[str, str]:
+    engine, sep, path = item.partition("=")
+    if not sep or not engine or not path:
+        raise ValueError(f"--engine-bin expects ENGINE=PATH (for example llamacpp=/opt/llama-server), not {item!r}")
+    return engine, path
+
+
+def instance_name(paths: Paths) -> str:
+    """One app per data folder: two folders (tests, profiles) may run side by side."""
+    digest = hashlib.sha256(str(paths.data_dir).encode()).hexdigest()[:16]
+    return f"gpu-provider-{digest}"
+
+
+def ask_running_instance_to_show(name: str, timeout_ms: int = 500) -> bool:
+    """True when another instance answered (and was asked to bring its window forward)."""
+    socket = QLocalSocket()
+    socket.connectToServer(name)
+    if not socket.waitForConnected(timeout_ms):
+        return False
+    socket.write(SHOW_MESSAGE)
+    socket.waitForBytesWritten(timeout_ms)
+    socket.disconnectFromServer()
+    return True
+
+
+class DesktopApp(QObject):
+    """Wires the bridge to the tray, the windows and the single-instance server."""
+
+    def __init__(
+        self,
+        qapp: QApplication,
+        node: NodeLike,
+        paths: Paths,
+        settings: Settings,
+        *,
+        tray_available: bool,
+        redact: Callable[[str], str],
+    ) -> None:
+        super().__init__()
+        self.qapp = qapp
+        self.paths = paths
+        self.settings = settings
+        self.bridge = Bridge(node)
+        self._redact = redact
+        self.dashboard = Dashboard(self.bridge, hide_on_close=tray_available)
+        self.dashboard.setWindowIcon(state_icon("serving"))
+        self.dashboard.settings_requested.connect(self.open_settings)
+        self.dashboard.logs_requested.connect(self.open_logs)
+        self.dashboard.sign_in_requested.connect(self.open_sign_in)
+        self.tray: Tray | None = None
+        if tray_available:
+            self.tray = Tray(self.bridge)
+            self.tray.open_dashboard.connect(self.dashboard.bring_forward)
+            self.tray.open_settings.connect(self.open_settings)
+            self.tray.open_logs.connect(self.open_logs)
+            self.tray.quit_requested.connect(qapp.quit)
+            self.tray.icon.show()
+        qapp.setQuitOnLastWindowClosed(not tray_available)
+        self.logs: LogsWindow | None = None
+        self.server = QLocalServer(self)
+        self.server.newConnection.connect(self._on_instance_connection)
+
+    def listen(self, name: str) -> bool:
+        QLocalServer.removeServer(name)  # a stale socket left by a crash
+        return self.server.listen(name)
+
+    def _on_instance_connection(self) -> None:
+        connection = self.server.nextPendingConnection()
+        connection.disconnected.connect(connection.deleteLater)
+        self.dashboard.bring_forward()
+
+    def open_settings(self) -> None:
+        dialog = SettingsDialog(
+            self.settings, self.paths, self.bridge, autostart.for_platform(), self.bridge.latest.gpus, self.dashboard
+        )
+        dialog.accepted.connect(lambda: setattr(self, "settings", dialog.settings))
+        dialog.open()
+
+    def open_logs(self) -> None:
+        if self.logs is None:
+            self.logs = LogsWindow(self.bridge, self._redact)
+        self.logs.refresh()
+        self.logs.show()
+        self.logs.raise_()
+
+    def open_sign_in(self) -> None:
+        SignInDialog(self.bridge.latest, self.dashboard).open()
+
+
+def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings, args: argparse.Namespace) -> int:
+    """Run the core and the GUI; whatever ends the event loop, the core is shut down and joined."""
+    desktop = DesktopApp(
+        qapp, node, paths, settings, tray_available=QSystemTrayIcon.isSystemTrayAvailable(), redact=redact_token
+    )
+    core = CoreThread(node.run, desktop.bridge.report_core_failure)
+    core.start()
+    try:
+        desktop.listen(instance_name(paths))
+        if desktop.tray is None or not args.minimized:
+            desktop.dashboard.bring_forward()
+        if secrets.get_token() is None and (args.coordinator or settings.coordinator_url) != "local":
+            desktop.open_sign_in()
+        if args.quit_after is not None:
+            QTimer.singleShot(int(args.quit_after * 1000), qapp.quit)
+        _quit_on_signals(qapp)
+        return qapp.exec()
+    finally:
+        desktop.server.close()
+        desktop.bridge.shutdown()
+        core.join(SHUTDOWN_WAIT_S)
+        if core.is_alive():
+            log.error("the core did not stop within %.0f s; exiting anyway", SHUTDOWN_WAIT_S)
+
+
+def _quit_on_signals(qapp: QApplication) -> None:
+    """Ctrl+C / SIGTERM quit cleanly; a short timer lets Python see signals during Qt's loop."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: qapp.quit())
+    ticker = QTimer(qapp)
+    ticker.timeout.connect(lambda: None)
+    ticker.start(250)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    paths = Paths.resolve(args.data_dir).ensure()
+    existing = QApplication.instance()
+    qapp = existing if isinstance(existing, QApplication) else QApplication(["gpu-provider"])
+    qapp.setApplicationName("GPU Provider")
+    if ask_running_instance_to_show(instance_name(paths)):
+        log.info("GPU Provider is already running; brought its window forward")
+        return 0
+    from worker.node import Node  # loaded once this is known to be the only instance
+
+    applog.configure(paths, console=False)
+    settings = load_settings(paths)
+    node = Node(
+        paths,
+        settings,
+        coordinator_url=args.coordinator or settings.coordinator_url,
+        hardware_override=args.hardware,
+        engine_bins=args.engine_bins,
+    )
+    return run_app(qapp, node, paths, settings, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

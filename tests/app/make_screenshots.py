@@ -1,0 +1,98 @@
+"""Render the dashboard and the tray menu in each main state into docs/screenshots/, offscreen,
+and the tray icons into assets/tray/. Run: `.venv/bin/python -m tests.app.make_screenshots`."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtCore import QPoint, QRect, Qt
+from PySide6.QtGui import QColor, QFont, QPainter, QPixmap
+from PySide6.QtWidgets import QApplication
+
+from app.bridge import Bridge
+from app.dashboard import Dashboard
+from app.format import STATE_COLOURS, tray_state
+from app.icons import state_pixmap
+from app.tray import Tray
+from tests.app import snapshots
+from tests.app.scripted_node import ScriptedNode
+from worker.events import NodeSnapshot
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOTS = ROOT / "docs" / "screenshots"
+ICONS = ROOT / "assets" / "tray"
+WIDTH = 1120
+
+
+def history(snapshot: NodeSnapshot, now: float) -> dict[str, list[tuple[float, float]]]:
+    """Ten plausible minutes for the charts (serving states only; idle states have none)."""
+    if tray_state(snapshot) not in ("serving", "degraded"):
+        return {}
+    times = [now - 600 + 5 * i for i in range(121)]
+    wave = [math.sin(i / 7) + 0.4 * math.sin(i / 2.3) for i in range(121)]
+    return {
+        "tokens_per_s": [(t, 780 + 60 * w) for t, w in zip(times, wave, strict=True)],
+        "gpu_util": [(t, 84 + 6 * w) for t, w in zip(times, wave, strict=True)],
+        "power_w": [(t, 320 + 25 * w) for t, w in zip(times, wave, strict=True)],
+        "kv_usage": [(t, 36 + 9 * w) for t, w in zip(times, wave, strict=True)],
+    }
+
+
+def dashboard_shot(snapshot: NodeSnapshot, target: Path) -> None:
+    import time
+
+    node = ScriptedNode(snapshot)
+    node.history_points = history(snapshot, time.time())
+    window = Dashboard(Bridge(node))
+    window.resize(WIDTH, 900)
+    window.show()
+    QApplication.processEvents()
+    window.content.grab().save(str(target))
+    window.charts.timer.stop()
+    window.deleteLater()
+
+
+def tray_shot(snapshot: NodeSnapshot, target: Path) -> None:
+    """The menu as it opens under the tray icon, drawn on a neutral panel strip."""
+    tray = Tray(Bridge(ScriptedNode(snapshot)))
+    tray.menu.aboutToShow.emit()
+    tray.menu.adjustSize()
+    menu = tray.menu.grab()
+    pad, strip = 16, 36
+    canvas = QPixmap(menu.width() + 2 * pad, menu.height() + strip + 2 * pad)
+    canvas.fill(QColor("#E9ECF1"))
+    painter = QPainter(canvas)
+    painter.fillRect(QRect(0, 0, canvas.width(), strip), QColor("#1F2430"))
+    painter.drawPixmap(QPoint(pad, (strip - 22) // 2), state_pixmap(tray_state(snapshot), 22))
+    painter.setPen(QColor(STATE_COLOURS[tray_state(snapshot)]))
+    font = QFont()
+    font.setPointSize(9)
+    font.setBold(True)
+    painter.setFont(font)
+    painter.drawText(QRect(pad + 30, 0, canvas.width(), strip), Qt.AlignmentFlag.AlignVCenter, tray_state(snapshot))
+    painter.drawPixmap(QPoint(pad, strip + pad // 2), menu)
+    painter.end()
+    canvas.save(str(target))
+
+
+def main() -> int:
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setStyle("Fusion")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    ICONS.mkdir(parents=True, exist_ok=True)
+    for name, make in snapshots.MAIN_STATES.items():
+        dashboard_shot(make(), SCREENSHOTS / f"dashboard-{name}.png")
+        tray_shot(make(), SCREENSHOTS / f"tray-{name}.png")
+    for state in STATE_COLOURS:
+        state_pixmap(state, 64).save(str(ICONS / f"{state}.png"))  # type: ignore[arg-type]
+    print(f"wrote screenshots to {SCREENSHOTS} and icons to {ICONS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

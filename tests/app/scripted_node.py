@@ -1,0 +1,70 @@
+"""A stand-in with the Node's interface: it emits the snapshots a test gives it and records
+every command, so app tests check what reaches the core without running one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from worker.config import Settings
+from worker.events import NodeSnapshot
+
+
+class ScriptedNode:
+    def __init__(self, first: NodeSnapshot, *, log_files: dict[str, Path] | None = None) -> None:
+        self._snapshot = first
+        self._subscribers: list[Callable[[NodeSnapshot], None]] = []
+        self._stopped = threading.Event()
+        self.commands: list[tuple[str, Any]] = []
+        self.history_points: dict[str, list[tuple[float, float]]] = {}
+        self.history_calls: list[tuple[str, float]] = []
+        self._log_files = log_files or {}
+
+    # the Node interface --------------------------------------------------------------
+
+    async def run(self) -> None:
+        while not self._stopped.is_set():
+            await asyncio.sleep(0.01)
+        self.commands.append(("run_ended", None))
+
+    def subscribe(self, callback: Callable[[NodeSnapshot], None]) -> Callable[[], None]:
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback)
+
+    def snapshot(self) -> NodeSnapshot:
+        return self._snapshot
+
+    def pause(self, duration_s: float | None = None, reason: str = "user") -> None:
+        self.commands.append(("pause", (duration_s, reason)))
+
+    def resume(self) -> None:
+        self.commands.append(("resume", None))
+
+    def shutdown(self) -> None:
+        self.commands.append(("shutdown", None))
+        self._stopped.set()
+
+    def apply_settings(self, settings: Settings) -> None:
+        self.commands.append(("apply_settings", settings))
+
+    def history(self, series: str, since: float) -> list[tuple[float, float]]:
+        self.history_calls.append((series, since))
+        return self.history_points.get(series, [])
+
+    def log_files(self) -> dict[str, Path]:
+        return dict(self._log_files)
+
+    # the script ----------------------------------------------------------------------
+
+    def emit(self, snapshot: NodeSnapshot) -> None:
+        """Publish from the calling thread, as the core does from its loop thread."""
+        self._snapshot = snapshot
+        for callback in list(self._subscribers):
+            callback(snapshot)
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subscribers)

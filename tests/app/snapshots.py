@@ -1,0 +1,152 @@
+"""Snapshots of each main state, shared by the app tests and the screenshot script."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from worker.events import (
+    ConnectionSnapshot,
+    ContextNumbers,
+    DownloadProgress,
+    EarningsSnapshot,
+    EngineSnapshot,
+    GpuSnapshot,
+    NodeSnapshot,
+    Problem,
+    ThroughputSnapshot,
+)
+
+NOW = 1_800_000_000.0
+MODEL = "Qwen/Qwen3-8B"
+
+GPUS = (
+    GpuSnapshot(0, "NVIDIA GeForce RTX 4090", 24564, 23140, 21980, 87.0, 66.0, 338.0, 450.0),
+    GpuSnapshot(1, "NVIDIA GeForce RTX 3090", 24576, 23152, 21760, 84.0, 71.0, 301.0, 350.0),
+)
+
+ENGINE = EngineSnapshot(
+    engine_id="engine-0",
+    engine="vllm",
+    gpu_indices=(0, 1),
+    layout="tensor",
+    state="ready",
+    argv=("vllm", "serve", MODEL, "--tensor-parallel-size", "2", "--port", "41231", "--api-key", "***"),
+    tier="24000",
+    memory_mib=41_700,
+    phase="ready",
+    kv_cache_tokens=284_512,
+    kv_cache_gib=19.5,
+    max_concurrency=8.7,
+    context=ContextNumbers(requested=32_768, declared=32_768, physical=284_512),
+    restarts=0,
+    pid=48211,
+    port=41231,
+    kv_usage_pct=37.0,
+    requests_running=3,
+    requests_waiting=0,
+)
+
+EARNINGS = EarningsSnapshot(
+    currency="USD",
+    today=2.84,
+    week=17.40,
+    all_time=96.12,
+    energy_cost_today=0.61,
+    energy_cost_week=3.92,
+    energy_cost_all_time=22.05,
+    energy_kwh_today=2.03,
+)
+
+CONNECTED = ConnectionSnapshot("wss://coordinator.example.net/v1/node", "connected")
+
+
+def idle() -> NodeSnapshot:
+    return NodeSnapshot(
+        at=NOW,
+        state="idle",
+        node_id="node-7f3a",
+        runtime="native",
+        gpus=tuple(replace(g, memory_used_mib=610, util_pct=0.0, power_w=24.0, temperature_c=38.0) for g in GPUS),
+        groups=((0, 1),),
+        effective_vram_mib=46_292,
+        earnings=EARNINGS,
+        connection=CONNECTED,
+    )
+
+
+def starting() -> NodeSnapshot:
+    engine = replace(
+        ENGINE,
+        state="starting",
+        phase="compiling",
+        kv_cache_tokens=None,
+        kv_cache_gib=None,
+        max_concurrency=None,
+        context=ContextNumbers(requested=32_768),
+        kv_usage_pct=None,
+        requests_running=None,
+    )
+    download = DownloadProgress(f"model {MODEL}", 12_400_000_000, 16_400_000_000, 95_000_000, 42.0)
+    return replace(
+        idle(), state="starting", model=MODEL, assignment_id="as-91", engines=(engine,), downloads=(download,)
+    )
+
+
+def serving() -> NodeSnapshot:
+    return replace(
+        idle(),
+        state="ready",
+        model=MODEL,
+        assignment_id="as-91",
+        gpus=GPUS,
+        engines=(ENGINE,),
+        in_flight=3,
+        throughput=ThroughputSnapshot(
+            tokens_per_s=812.4,
+            per_request_tokens_per_s=71.2,
+            ttft_p50_s=0.21,
+            run_tokens=1_204_330,
+            run_seconds=3_310.0,
+            requests=1_842,
+            roofline_share=0.62,
+        ),
+    )
+
+
+def paused_for_game() -> NodeSnapshot:
+    return replace(idle(), state="paused", paused=True, pause_reason="game", model=MODEL)
+
+
+def paused_until(until: float) -> NodeSnapshot:
+    return replace(idle(), state="paused", paused=True, pause_reason="timed", pause_until=until, model=MODEL)
+
+
+def degraded() -> NodeSnapshot:
+    engine = replace(ENGINE, state="degraded", restarts=2, last_error="health check timed out after 10 s")
+    return replace(serving(), state="degraded", engines=(engine,))
+
+
+def failed() -> NodeSnapshot:
+    problem = Problem(
+        "The engine ran out of GPU memory",
+        "vLLM could not fit Qwen/Qwen3-8B even at the lowest memory tier. Close other GPU apps or lend another GPU.",
+        "settings",
+    )
+    engine = replace(
+        ENGINE, state="failed", restarts=3, last_error="torch.OutOfMemoryError: CUDA out of memory", pid=None
+    )
+    return replace(idle(), state="failed", model=MODEL, engines=(engine,), problem=problem)
+
+
+def signed_out() -> NodeSnapshot:
+    problem = Problem("Signed out", "The network no longer accepts this node's token.", "sign_in")
+    return replace(idle(), connection=ConnectionSnapshot(CONNECTED.coordinator_url, "signed_out", problem))
+
+
+MAIN_STATES = {
+    "idle": idle,
+    "starting": starting,
+    "serving": serving,
+    "paused": paused_for_game,
+    "failed": failed,
+}

@@ -1,0 +1,399 @@
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.fake_engine import Behaviour, FakeEngine
+from worker import protocol
+from worker.relay import (
+    EngineTarget,
+    Relay,
+    RelayHooks,
+    StreamFilter,
+    engine_http_client,
+)
+
+CHAT = "/v1/chat/completions"
+TERMINAL = (protocol.ResponseEnd, protocol.ResponseError)
+
+
+class Wire:
+    """The coordinator side of `send`: records frames; `open = False` plays a dropped socket."""
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+        self.open = True
+
+    async def send(self, message: Any) -> bool:
+        if not self.open:
+            return False
+        self.frames.append(message)
+        return True
+
+    def of(self, request_id: str) -> list[Any]:
+        return [f for f in self.frames if getattr(f, "id", None) == request_id or getattr(f, "ref", None) == request_id]
+
+    def terminals(self, request_id: str) -> list[Any]:
+        return [f for f in self.of(request_id) if isinstance(f, TERMINAL)]
+
+    def data(self, request_id: str) -> str:
+        return "".join(f.data for f in self.of(request_id) if isinstance(f, protocol.ResponseChunk))
+
+
+class Recorder(RelayHooks):
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.chunks = 0
+
+    def on_start(self, request_id: str, engine_id: str, t: float) -> None:
+        self.calls.append(("start", request_id, engine_id))
+
+    def on_first_token(self, request_id: str, t: float) -> None:
+        self.calls.append(("first", request_id))
+
+    def on_chunk(self, engine_id: str) -> None:
+        self.chunks += 1
+
+    def on_end(self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool) -> None:
+        self.calls.append(("end", request_id, engine_id, usage, ok))
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    async with FakeEngine(served_name="served-m") as fake:
+        yield fake
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with engine_http_client() as client:
+        yield client
+
+
+def target_of(engine: FakeEngine, engine_id: str = "e0") -> EngineTarget:
+    return EngineTarget(engine_id, engine.base_url, engine.api_key, engine.served_name)
+
+
+def make_relay(wire: Wire, http: httpx.AsyncClient, *engines: FakeEngine, gate: Any = None,
+               hooks: RelayHooks | None = None) -> Relay:
+    targets = [target_of(e, f"e{i}") for i, e in enumerate(engines)]
+    return Relay(wire.send, lambda: targets, gate or (lambda: None), http=http, hooks=hooks)
+
+
+def request(request_id: str = "r-1", *, stream: bool = True, path: str = CHAT, method: str = "POST",
+            deadline_s: float = 30.0, **body: Any) -> protocol.Request:
+    document = {"model": "public-name", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **body}
+    return protocol.Request(id=request_id, method=method, path=path, body=document, deadline_s=deadline_s)
+
+
+async def direct(engine: FakeEngine, http: httpx.AsyncClient, body: dict[str, Any], path: str = CHAT) -> str:
+    response = await http.post(engine.base_url + path, json={**body, "model": engine.served_name},
+                               headers={"Authorization": f"Bearer {engine.api_key}"})
+    return response.content.decode("utf-8")
+
+
+async def test_stream_is_relayed_byte_for_byte_with_usage_asked_for_and_left_out(engine, http) -> None:
+    wire = Wire()
+    await make_relay(wire, http, engine).handle(request())
+    frames = wire.of("r-1")
+    assert isinstance(frames[0], protocol.ResponseHead)
+    assert (frames[0].status, frames[0].content_type) == (200, "text/event-stream; charset=utf-8")
+    assert frames[-1] == protocol.ResponseEnd(id="r-1", usage=protocol.Usage(prompt_tokens=9, completion_tokens=16))
+    assert wire.data("r-1") == await direct(engine, http, {"messages": [], "stream": True})
+    assert '"usage"' not in wire.data("r-1")
+    seen = engine.records[0]
+    assert seen.body["model"] == "served-m"
+    assert seen.body["stream_options"] == {"include_usage": True}
+    assert seen.headers["authorization"] == f"Bearer {engine.api_key}"
+
+
+async def test_usage_chunk_stays_when_the_caller_asked_for_it(engine, http) -> None:
+    wire = Wire()
+    options = {"stream_options": {"include_usage": True}}
+    await make_relay(wire, http, engine).handle(request(**options))
+    assert wire.data("r-1") == await direct(engine, http, {"stream": True, **options})
+    assert '"usage"' in wire.data("r-1")
+    assert wire.terminals("r-1")[0].usage == protocol.Usage(prompt_tokens=9, completion_tokens=16)
+
+
+async def test_multibyte_characters_split_across_reads_arrive_whole(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=6, byte_writes=True)
+    wire = Wire()
+    await make_relay(wire, http, engine).handle(request())
+    relayed = wire.data("r-1")
+    assert "\ufffd" not in relayed
+    assert "😀" in relayed and "€" in relayed
+    assert relayed == await direct(engine, http, {"stream": True})
+
+
+async def test_non_streaming_answer_is_relayed_whole_with_usage(engine, http) -> None:
+    wire = Wire()
+    await make_relay(wire, http, engine).handle(request(stream=False, path="/v1/completions", max_tokens=5))
+    head, *chunks, end = wire.of("r-1")
+    assert (head.status, head.content_type) == (200, "application/json")
+    assert json.loads("".join(c.data for c in chunks))["usage"]["completion_tokens"] == 5
+    assert end.usage == protocol.Usage(prompt_tokens=9, completion_tokens=5)
+
+
+async def test_get_models_is_relayed(engine, http) -> None:
+    wire = Wire()
+    await make_relay(wire, http, engine).handle(protocol.Request(id="m", method="GET", path="/v1/models"))
+    assert json.loads(wire.data("m"))["data"][0]["id"] == "served-m"
+    assert isinstance(wire.terminals("m")[0], protocol.ResponseEnd)
+
+
+@pytest.mark.parametrize("method, path", [
+    ("PUT", CHAT), ("DELETE", CHAT), ("GET", "/metrics"), ("POST", "/v1/../slots"),
+    ("POST", "/v1/%2e%2e/slots"), ("GET", "/v1x/models"), ("GET", "/v1/models#x"), ("POST", "/v1/a\\..\\b"),
+])
+async def test_only_get_and_post_under_v1_are_relayed(engine, http, method: str, path: str) -> None:
+    wire = Wire()
+    await make_relay(wire, http, engine).handle(protocol.Request(id="x", method=method, path=path))
+    (error,) = wire.of("x")
+    assert (error.type, error.status, error.code) == ("response.error", 400, "bad_request")
+    assert engine.records == []
+
+
+@pytest.mark.parametrize("code", ["paused", "draining", "not_ready"])
+async def test_gate_refuses_with_503_and_its_code(engine, http, code: str) -> None:
+    wire = Wire()
+    await make_relay(wire, http, engine, gate=lambda: code).handle(request())
+    (error,) = wire.of("r-1")
+    assert (error.status, error.code) == (503, code)
+    assert error.message
+    assert engine.records == []
+
+
+async def test_no_ready_engine_is_503_not_ready(http) -> None:
+    wire = Wire()
+    await make_relay(wire, http).handle(request())
+    assert [(f.status, f.code) for f in wire.of("r-1")] == [(503, "not_ready")]
+
+
+async def test_cancel_closes_the_engine_request_and_ends_with_one_499(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=500, token_delay_s=0.01)
+    wire, hooks = Wire(), Recorder()
+    relay = make_relay(wire, http, engine, hooks=hooks)
+    task = relay.handle(request())
+    while not wire.data("r-1"):
+        await asyncio.sleep(0.01)
+    assert relay.cancel("r-1")
+    await task
+    await asyncio.wait_for(engine.records[0].finished.wait(), 2)
+    assert engine.records[0].disconnected and engine.records[0].tokens_sent < 500
+    (terminal,) = wire.terminals("r-1")
+    assert (terminal.status, terminal.code) == (499, "cancelled")
+    assert relay.in_flight == 0
+    assert hooks.calls[-1][:3] == ("end", "r-1", "e0") and hooks.calls[-1][4] is False
+
+
+async def test_cancel_of_an_unknown_request_does_nothing(engine, http) -> None:
+    relay = make_relay(Wire(), http, engine)
+    assert relay.cancel("nope") is False
+
+
+async def test_deadline_before_the_head_is_504_and_never_retried(engine, http) -> None:
+    engine.behaviour = Behaviour(head_delay_s=1.0)
+    wire = Wire()
+    await make_relay(wire, http, engine).handle(request(deadline_s=0.1))
+    (error,) = wire.of("r-1")
+    assert (error.status, error.code) == (504, "deadline")
+    assert '"stream": true' in error.message
+    await asyncio.wait_for(engine.records[0].finished.wait(), 2)
+    assert engine.records[0].disconnected  # the engine request was closed, not left running
+    await asyncio.sleep(0.05)
+    assert len(engine.records) == 1
+
+
+async def test_deadline_bounds_a_non_streaming_request_as_a_whole(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=100, token_delay_s=0.01)
+    wire = Wire()
+    await make_relay(wire, http, engine).handle(request(stream=False, deadline_s=0.2))
+    assert [(f.status, f.code) for f in wire.of("r-1")] == [(504, "deadline")]
+    assert len(engine.records) == 1
+
+
+async def test_deadline_does_not_cut_a_stream_after_its_head(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=40, token_delay_s=0.02)
+    wire = Wire()
+    await make_relay(wire, http, engine).handle(request(deadline_s=0.4))
+    assert wire.terminals("r-1")[0].usage.completion_tokens == 40
+
+
+async def test_engine_dying_mid_stream_is_exactly_one_502(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=50, crash_after=5)
+    wire, hooks = Wire(), Recorder()
+    await make_relay(wire, http, engine, hooks=hooks).handle(request())
+    frames = wire.of("r-1")
+    assert isinstance(frames[0], protocol.ResponseHead)
+    assert wire.data("r-1").count("data: ") == 5
+    (error,) = wire.terminals("r-1")
+    assert (error.status, error.code) == (502, "engine_failed")
+    assert frames[-1] is error
+    assert hooks.calls[-1][4] is False
+
+
+async def test_engine_not_listening_is_502(engine, http) -> None:
+    target = target_of(engine)
+    await engine.stop()
+    wire = Wire()
+    relay = Relay(wire.send, lambda: [target], lambda: None, http=http)
+    await relay.handle(request())
+    assert [(f.status, f.code) for f in wire.of("r-1")] == [(502, "engine_failed")]
+
+
+async def test_socket_drop_cancels_upstream_and_sends_nothing(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=500, token_delay_s=0.01)
+    wire = Wire()
+    relay = make_relay(wire, http, engine)
+    tasks = [relay.handle(request(f"r-{i}")) for i in range(3)]
+    while len(engine.records) < 3 or not all(r.tokens_sent for r in engine.records):
+        await asyncio.sleep(0.01)
+    wire.open = False
+    sent_before = len(wire.frames)
+    assert relay.cancel_all("the coordinator is gone") == 3
+    await asyncio.gather(*tasks)
+    await asyncio.wait_for(asyncio.gather(*(r.finished.wait() for r in engine.records)), 2)
+    assert all(r.disconnected for r in engine.records)
+    assert len(wire.frames) == sent_before
+    assert relay.in_flight == 0
+
+
+async def test_a_closed_connection_stops_the_request_without_a_terminal(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=500, token_delay_s=0.01)
+    wire = Wire()
+    relay = make_relay(wire, http, engine)
+    task = relay.handle(request())
+    while not wire.data("r-1"):
+        await asyncio.sleep(0.01)
+    wire.open = False
+    await asyncio.wait_for(task, 2)
+    await asyncio.wait_for(engine.records[0].finished.wait(), 2)
+    assert engine.records[0].disconnected
+    assert wire.terminals("r-1") == []
+
+
+async def test_answer_goes_to_the_send_it_arrived_with(engine, http) -> None:
+    default, bound = Wire(), Wire()
+    await make_relay(default, http, engine).handle(request(), bound.send)
+    assert default.frames == []
+    assert isinstance(bound.terminals("r-1")[0], protocol.ResponseEnd)
+
+
+async def test_drain_lets_in_flight_finish_and_refuses_new_ones(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=20, token_delay_s=0.01)
+    wire = Wire()
+    relay = make_relay(wire, http, engine)
+    first = relay.handle(request("r-1"))
+    await asyncio.sleep(0.02)
+    drained = asyncio.create_task(relay.drain(timeout=5))
+    await asyncio.sleep(0)
+    await relay.handle(request("r-2"))
+    assert await drained == 0
+    await first
+    assert isinstance(wire.terminals("r-1")[0], protocol.ResponseEnd)
+    assert [(f.status, f.code) for f in wire.of("r-2")] == [(503, "paused")]
+
+
+async def test_drain_timeout_ends_the_rest_with_one_503(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=500, token_delay_s=0.01)
+    wire = Wire()
+    relay = make_relay(wire, http, engine)
+    task = relay.handle(request())
+    await asyncio.sleep(0.05)
+    assert await relay.drain(timeout=0.05, code="draining") == 1
+    await task
+    (terminal,) = wire.terminals("r-1")
+    assert (terminal.status, terminal.code) == (503, "draining")
+    await asyncio.wait_for(engine.records[0].finished.wait(), 2)
+    assert engine.records[0].disconnected
+
+
+async def test_requests_go_to_the_least_loaded_engine(http) -> None:
+    slow = Behaviour(tokens=50, token_delay_s=0.01)
+    async with FakeEngine(behaviour=slow) as one, FakeEngine(behaviour=slow) as two:
+        wire = Wire()
+        relay = make_relay(wire, http, one, two)
+        tasks = [relay.handle(request(f"r-{i}")) for i in range(4)]
+        assert relay.in_flight_by_engine() == {"e0": 2, "e1": 2}
+        await asyncio.gather(*tasks)
+        assert (len(one.records), len(two.records)) == (2, 2)
+        assert relay.in_flight_by_engine() == {}
+
+
+async def test_hooks_see_start_first_token_progress_and_end(engine, http) -> None:
+    hooks = Recorder()
+    await make_relay(Wire(), http, engine, hooks=hooks).handle(request())
+    assert hooks.calls == [
+        ("start", "r-1", "e0"), ("first", "r-1"),
+        ("end", "r-1", "e0", protocol.Usage(prompt_tokens=9, completion_tokens=16), True),
+    ]
+    assert hooks.chunks >= 1
+
+
+async def test_a_duplicate_request_id_gets_an_error_and_the_first_goes_on(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=20, token_delay_s=0.005)
+    wire = Wire()
+    relay = make_relay(wire, http, engine)
+    first = relay.handle(request())
+    await relay.handle(request())
+    await first
+    errors = [f for f in wire.frames if isinstance(f, protocol.Error)]
+    assert [(e.code, e.ref) for e in errors] == [("duplicate_request", "r-1")]
+    assert len(wire.terminals("r-1")) == 1
+
+
+async def test_every_request_gets_exactly_one_terminal_under_mixed_trouble(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=40, token_delay_s=0.002)
+    wire = Wire()
+    relay = make_relay(wire, http, engine)
+    tasks = [relay.handle(request(f"r-{i}", stream=i % 3 != 0, deadline_s=0.05 if i % 5 == 0 else 30))
+             for i in range(30)]
+    await asyncio.sleep(0.03)
+    for i in range(0, 30, 4):
+        relay.cancel(f"r-{i}")
+    await asyncio.gather(*tasks)
+    assert all(len(wire.terminals(f"r-{i}")) == 1 for i in range(30))
+    assert all(isinstance(wire.of(f"r-{i}")[-1], TERMINAL) for i in range(30))
+    assert relay.in_flight == 0
+
+
+def test_stream_filter_holds_a_partial_event_until_it_is_whole() -> None:
+    filter_ = StreamFilter(events=True, strip_usage=False)
+    event = 'data: {"x": "é"}\n\n'.encode()
+    assert filter_.feed(event[:12]) == ""
+    assert filter_.feed(event[12:] + event[:3]) == event.decode()
+    assert filter_.finish() == "dat"
+
+
+def test_stream_filter_strips_only_the_usage_only_chunk_it_asked_for() -> None:
+    stream = (b'data: {"choices": [{"delta": {"content": "usage"}}]}\r\n\r\n'
+              b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}\r\n\r\n'
+              b"data: [DONE]\r\n\r\n")
+    stripping = StreamFilter(events=True, strip_usage=True)
+    kept = stripping.feed(stream) + stripping.finish()
+    assert kept == stream.decode().replace(
+        'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}\r\n\r\n', "")
+    assert stripping.usage == protocol.Usage(prompt_tokens=3, completion_tokens=4)
+    keeping = StreamFilter(events=True, strip_usage=False)
+    assert keeping.feed(stream) + keeping.finish() == stream.decode()
+    assert keeping.usage == stripping.usage
+
+
+def test_stream_filter_relays_a_boundless_stream_without_splitting_characters() -> None:
+    filter_ = StreamFilter(events=True, strip_usage=False)
+    blob = ("€" * 400_000).encode()  # 1.2 MB and no blank line
+    out = filter_.feed(blob[:-1]) + filter_.feed(blob[-1:]) + filter_.finish()
+    assert out == "€" * 400_000
+
+
+def test_stream_filter_decodes_raw_bodies_incrementally() -> None:
+    filter_ = StreamFilter(events=False, strip_usage=False)
+    text = "ok 😀".encode()
+    assert filter_.feed(text[:-2]) + filter_.feed(text[-2:]) + filter_.finish() == "ok 😀"
+
