@@ -69,13 +69,51 @@ def build_parser() -> CommandLine:
     plan.add_argument("--hardware", metavar="FILE", required=True, help="a `gpu-provider detect` output")
     plan.add_argument("--assignment", metavar="FILE", required=True, help="an `assign` message from the coordinator")
     plan.set_defaults(handler=run_plan)
+
+    run = commands.add_parser(
+        "run", parents=[data_dir, node_options()], help="run the node (add --headless for no GUI)",
+        description="Detect, connect to the coordinator, serve assignments and relay requests until "
+        "Ctrl-C or SIGTERM, which drain requests, stop the engines and exit 0.",
+    )
+    run.add_argument("--headless", action="store_true", help="no GUI: log state changes to the terminal")
+    run.set_defaults(handler=run_node)
+
+    status = commands.add_parser(
+        "status", parents=[data_dir], help="show the running node's figures",
+        description="Read the running node's latest snapshot and print it as a table (or JSON).",
+    )
+    status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    status.set_defaults(handler=run_status)
     parser.command_names = frozenset(commands.choices)
     return parser
+
+
+def node_options() -> argparse.ArgumentParser:
+    """Options shared by `run` and the desktop app."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--coordinator", metavar="URL|local", default=None,
+        help="the coordinator's wss:// URL, or `local` for the built-in one (default: the settings' choice)",
+    )
+    options.add_argument("--hardware", metavar="FILE", help="use a `detect` output instead of live detection")
+    options.add_argument(
+        "--engine-bin", metavar="NAME=PATH", action="append", default=[],
+        help="an engine executable (vllm=PATH, llamacpp=PATH); repeatable",
+    )
+    options.add_argument("--model", metavar="PATH|URL|REPO", help="with --coordinator local: the model to serve")
+    options.add_argument(
+        "--openai-port", metavar="PORT", type=int, default=None,
+        help="with --coordinator local: the OpenAI-compatible endpoint's port on 127.0.0.1 (default 8090)",
+    )
+    options.add_argument("--verbose", action="store_true", help="log debug lines too")
+    return options
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if "--headless" in arguments and not parser.command_names & set(arguments):
+        arguments.insert(0, "run")
     if _opens_the_app(parser, arguments):
         return open_app(arguments)
     args = parser.parse_args(arguments)
@@ -152,6 +190,54 @@ def run_plan(args: argparse.Namespace, settings: Settings) -> int:
     if isinstance(result, Refusal):
         return _print_error(result.reason)
     print(json.dumps(result.to_json()))
+    return 0
+
+
+def run_node(args: argparse.Namespace, settings: Settings) -> int:
+    if not args.headless:
+        return open_app(_app_arguments(args))
+    from worker.node import run_headless
+
+    try:
+        engine_bins = parse_engine_bins(args.engine_bin)
+    except InputError as exc:
+        print(f"gpu-provider: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    paths = Paths.resolve(getattr(args, "data_dir", None))
+    return run_headless(
+        paths,
+        settings,
+        coordinator_url=args.coordinator or settings.coordinator_url,
+        hardware_override=Path(args.hardware) if args.hardware else None,
+        engine_bins=engine_bins,
+        model=args.model,
+        openai_port=args.openai_port,
+        verbose=args.verbose,
+    )
+
+
+def _app_arguments(args: argparse.Namespace) -> list[str]:
+    """`run` without --headless opens the app with the same options."""
+    out: list[str] = []
+    if getattr(args, "data_dir", None):
+        out += ["--data-dir", args.data_dir]
+    for flag in ("coordinator", "hardware", "model"):
+        if getattr(args, flag):
+            out += [f"--{flag}", getattr(args, flag)]
+    for value in args.engine_bin:
+        out += ["--engine-bin", value]
+    return out
+
+
+def run_status(args: argparse.Namespace, settings: Settings) -> int:
+    from worker.status import read_status, status_table
+
+    paths = Paths.resolve(getattr(args, "data_dir", None))
+    found = read_status(paths)
+    if found is None:
+        print("No gpu-provider node is running (start one with `gpu-provider` or `gpu-provider run --headless`).")
+        return 1
+    print(json.dumps(found) if args.json else status_table(found))
     return 0
 
 

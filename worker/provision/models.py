@@ -31,7 +31,6 @@ from worker.provision.download import (
     verify_sha256,
 )
 from worker.provision.errors import ProvisionError
-from worker.provision.hf import RepoRequest, fetch_repo
 from worker.provision.progress import ProgressCallback
 from worker.provision.sources import BadSource, ModelSource, parse_source
 
@@ -152,6 +151,8 @@ async def _hf_model(
     hf_endpoint: str | None,
     options: ModelOptions,
 ) -> Path:
+    from worker.provision.hf import RepoRequest, fetch_repo  # huggingface_hub is slow to import: only when needed
+
     request = RepoRequest(
         repo_id=source.value,
         revision=engine_model.revision,

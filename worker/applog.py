@@ -1,0 +1,45 @@
+"""Logging for the app and the headless node: readable lines, a rotated file, no token ever.
+
+Both front ends (the Qt app and `gpu-provider run --headless`) call `configure` once, so the logs
+view, "copy diagnostics" and a support request all read the same file.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import sys
+from pathlib import Path
+
+from worker.config import Paths
+from worker.secrets import install_redaction
+
+LOG_FILE_NAME = "gpu-provider.log"
+_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def log_file(paths: Paths) -> Path:
+    return paths.log_dir / LOG_FILE_NAME
+
+
+def configure(paths: Paths, *, console: bool, verbose: bool = False) -> Path:
+    """Root logger → `logs/gpu-provider.log` (5 × 2 MB) and, when `console`, stderr."""
+    paths.log_dir.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    file_handler = logging.handlers.RotatingFileHandler(
+        log_file(paths), maxBytes=2_000_000, backupCount=5, encoding="utf-8"
+    )
+    file_handler.setFormatter(logging.Formatter(_FORMAT))
+    root.addHandler(file_handler)
+    if console:
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        root.addHandler(stream)
+    for noisy in ("httpx", "httpcore", "websockets", "huggingface_hub", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    install_redaction(root)
+    return log_file(paths)

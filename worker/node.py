@@ -1,0 +1,886 @@
+"""The orchestrator: the one place that knows the order of things.
+
+detect → hello → assign → plan → provision → supervise → relay → measure, plus pause, resume,
+update and shutdown. Every other module has one job; the Node composes them on one asyncio loop,
+turns coordinator messages and user commands into actions, and hands out `NodeSnapshot`s.
+Commands (`pause`, `resume`, `apply_settings`, `shutdown`) are safe to call from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from worker import __version__, protocol
+from worker.autopause import AutoPauser
+from worker.config import Paths, Settings, State, save_state
+from worker.events import (
+    ConnectionSnapshot,
+    DownloadProgress,
+    EngineSnapshot,
+    GpuSnapshot,
+    NodeSnapshot,
+    NodeState,
+    Problem,
+)
+from worker.hardware import GpuSample, Machine, NvmlError, NvmlSource, gpu_processes, sample_gpus
+from worker.ledger import EnergyIntegrator, Ledger
+from worker.link import Backoff, Link
+from worker.measure import RunMeter, aggregate
+from worker.plan import Plan, Refusal, plan
+from worker.procs import reap_leftovers
+from worker.provision.engine_install import ensure_engine
+from worker.provision.errors import ProvisionError
+from worker.provision.models import ensure_model
+from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
+from worker.supervise import EngineSupervisor
+from worker.update import NodeHooks, Updater, mark_hello_reached
+
+log = logging.getLogger(__name__)
+
+DRAIN_S = 30.0
+TICK_S = 1.0
+Subscriber = Callable[[NodeSnapshot], None]
+
+
+def summarise(states: list[NodeState]) -> NodeState:
+    """The node's state from its engines', as the protocol defines it."""
+    if not states:
+        return "configured"
+    serving = [s for s in states if s in ("ready", "degraded")]
+    if serving and len(serving) == len(states) and all(s == "ready" for s in states):
+        return "ready"
+    if serving:
+        return "degraded"
+    if all(s == "failed" for s in states):
+        return "failed"
+    if any(s == "starting" for s in states):
+        return "starting"
+    if all(s == "stopped" for s in states):
+        return "stopped"
+    return "configured"
+
+
+@dataclass
+class _Pause:
+    reason: str
+    until: float | None  # wall-clock seconds; None = until resumed
+
+
+class Node(RelayHooks):
+    """Owns the link, the relay, the engines' supervisors, the meters and the ledger."""
+
+    def __init__(
+        self,
+        paths: Paths,
+        settings: Settings,
+        *,
+        coordinator_url: str,
+        hardware_override: Path | None = None,
+        engine_bins: dict[str, str] | None = None,
+        model: str | None = None,
+        token_provider: Callable[[], str | None] | None = None,
+        nvml: NvmlSource | None = None,
+        backoff: Backoff | None = None,
+        openai_port: int | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.paths = paths.ensure()
+        self.settings = settings
+        self.coordinator_url = coordinator_url
+        self._hardware_override = hardware_override
+        self._engine_bins = dict(engine_bins or {})
+        self._model_choice = model
+        self._token_provider = token_provider
+        self._nvml = nvml
+        self._backoff = backoff
+        self._openai_port = openai_port
+        self._clock = clock
+        self._monotonic = monotonic
+
+        self.state: State
+        self.machine: Machine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._subscribers: list[Subscriber] = []
+        self._snapshot: NodeSnapshot | None = None
+        self._lock = threading.Lock()
+
+        self._link: Link | None = None
+        self._relay: Relay | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._ledger: Ledger | None = None
+        self._local: Any = None  # worker.localnet.LocalCoordinator when --coordinator local
+        self._energy = EnergyIntegrator()
+
+        self._welcome: protocol.Welcome | None = None
+        self._assignment: protocol.Assign | None = None
+        self._plan: Plan | None = None
+        self._problem: Problem | None = None
+        self._supervisors: dict[str, EngineSupervisor] = {}
+        self._meters: dict[str, RunMeter] = {}
+        self._request_engine: dict[str, str] = {}
+        self._pause: _Pause | None = None
+        self._draining = False
+        self._provisioning = False
+        self._downloads: dict[str, DownloadProgress] = {}
+        self._gpu_samples: dict[int, GpuSample] = {}
+        self._connection = ConnectionSnapshot(coordinator_url, "disabled")
+        self._notices: list[str] = []
+        self._engines_lock: asyncio.Lock | None = None
+        self._last_status_key: tuple[Any, ...] | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._updater: Updater | None = None
+        self.exit_requested_by_update = False
+
+    # --- commands (any thread) ----------------------------------------------------------------
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def snapshot(self) -> NodeSnapshot:
+        return self._snapshot or self._build_snapshot()
+
+    def pause(self, duration_s: float | None = None, reason: str = "user") -> None:
+        until = self._clock() + duration_s if duration_s else None
+        self._on_loop(lambda: self._spawn(self._do_pause(reason if not until or reason != "user" else "timed", until)))
+
+    def resume(self) -> None:
+        self._on_loop(lambda: self._spawn(self._do_resume()))
+
+    def apply_settings(self, settings: Settings) -> None:
+        self._on_loop(lambda: self._set_settings(settings))
+
+    def shutdown(self) -> None:
+        self._on_loop(lambda: self._stopping.set() if self._stopping else None)
+
+    def history(self, series: str, since: float) -> list[tuple[float, float]]:
+        return self._ledger.series(series, since) if self._ledger else []
+
+    def log_files(self) -> dict[str, Path]:
+        files = {"app": self.paths.log_dir / "gpu-provider.log"}
+        for engine_id, sup in self._supervisors.items():
+            snap = sup.snapshot()
+            if snap.log_path:
+                files[f"engine {engine_id}"] = Path(snap.log_path)
+        return files
+
+    def _on_loop(self, action: Callable[[], Any]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            action()
+        else:
+            loop.call_soon_threadsafe(action)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("internal task failed", exc_info=task.exception())
+
+    # --- life -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until `shutdown()`; engines are always stopped on the way out."""
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        self._engines_lock = asyncio.Lock()
+        from worker.config import load_state
+
+        self.state = load_state(self.paths)
+        if self.state.paused:
+            self._pause = _Pause("user", self.state.pause_until)
+        reaped = await asyncio.to_thread(reap_leftovers, self.paths.run_dir)
+        if reaped:
+            log.warning("stopped %d engine process(es) a previous run left behind: %s", len(reaped), reaped)
+        self.machine = await asyncio.to_thread(self._detect)
+        self._ledger = await asyncio.to_thread(Ledger, self.paths.ledger_file)
+        self._http = engine_http_client()
+        self._relay = Relay(self._send, self._ready_targets, self._gate, http=self._http, hooks=self)
+        try:
+            url, token_provider = await self._coordinator()
+            if url:
+                self._link = Link(
+                    url,
+                    token_provider,
+                    self._hello,
+                    self._on_message,
+                    backoff=self._backoff or Backoff(),
+                    on_state=self._on_connection,
+                    on_disconnect=self._on_disconnect,
+                )
+                self._spawn(self._link.run())
+            self._updater = Updater(
+                self.paths,
+                self.settings,
+                NodeHooks(self._in_flight, self._stop_serving, self._resume_serving, self._exit_for_update),
+                on_progress=self._on_download,
+            )
+            self._spawn(self._updater.run_feed_checks())
+            self._spawn(self._ticker())
+            self._spawn(self._autopause().run())
+            self._publish()
+            await self._stopping.wait()
+        finally:
+            await self._close()
+
+    async def _close(self) -> None:
+        log.info("stopping: draining requests and stopping engines")
+        if self._relay and self._relay.in_flight:
+            self._draining = True
+            await self._relay.drain(min(DRAIN_S, 10.0))
+        await self._stop_engines()
+        if self._link:
+            await self._link.close()
+        if self._local:
+            await self._local.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http:
+            await self._http.aclose()
+        self._publish()
+        if self._ledger:
+            ledger, self._ledger = self._ledger, None
+            await asyncio.to_thread(ledger.close)
+        self.paths.status_file.unlink(missing_ok=True)
+
+    def _detect(self) -> Machine:
+        from worker.hardware import detect
+
+        if self._hardware_override:
+            data = json.loads(Path(self._hardware_override).read_text(encoding="utf-8"))
+            return Machine.from_detect_json(data)
+        return detect(self.settings, nvml=self._nvml, engine_bins=self._engine_bins)
+
+    async def _coordinator(self) -> tuple[str | None, Callable[[], str | None]]:
+        """The URL and token source: the network's coordinator, or the built-in local one."""
+        if self.coordinator_url in ("", "none"):
+            return None, lambda: None
+        if self.coordinator_url != "local":
+            from worker.secrets import get_token
+
+            return self.coordinator_url, self._token_provider or get_token
+        from worker.localnet import LocalCoordinator, LocalModelError
+
+        token = secrets.token_urlsafe(24)
+        assert self.machine is not None
+        local = LocalCoordinator(token=token, machine=self.machine, model=self._model_choice, openai_port=self._openai_port)
+        try:
+            self._local = await local.start()
+        except LocalModelError as exc:
+            self._problem = Problem("The local model cannot be used", str(exc), "settings")
+            log.error("%s", exc)
+            return None, lambda: None
+        log.info("local coordinator on %s; OpenAI endpoint on %s", self._local.ws_url, self._local.openai_url)
+        return self._local.ws_url, lambda: token
+
+    # --- link -----------------------------------------------------------------------------
+
+    def _hello(self) -> protocol.Hello:
+        assert self.machine is not None
+        return protocol.Hello(
+            node_id=self.state.node_id,
+            app_version=__version__,
+            paused=self._pause is not None,
+            **self.machine.to_detect_json(),
+        )
+
+    def _on_connection(self, snapshot: ConnectionSnapshot) -> None:
+        self._connection = snapshot
+        if snapshot.state == "connected":
+            self._on_hello_sent()
+        self._publish()
+
+    def _on_hello_sent(self) -> None:
+        """Tells a pending update check that this version came up and reached the coordinator."""
+        mark_hello_reached(self.paths, __version__)
+
+    def _on_disconnect(self) -> None:
+        """The coordinator is gone: nobody will read the answers, so stop generating them."""
+        if self._relay:
+            self._relay.cancel_all("coordinator connection lost")
+
+    async def _send(self, message: protocol.BaseModel) -> bool:
+        return bool(self._link and await self._link.send(message))
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, protocol.Request):
+            assert self._relay is not None and self._link is not None
+            self._relay.handle(message, self._link.sender())
+        elif isinstance(message, protocol.Cancel):
+            assert self._relay is not None
+            self._relay.cancel(message.id)
+        elif isinstance(message, protocol.Welcome):
+            self._welcome = message
+            await self._send_status(force=True)
+        elif isinstance(message, protocol.Assign):
+            self._spawn(self._assign(message))
+        elif isinstance(message, protocol.Unassign):
+            if self._assignment and self._assignment.assignment_id == message.assignment_id:
+                self._spawn(self._unassign())
+        elif isinstance(message, protocol.Pause):
+            self._spawn(self._do_pause("coordinator", None))
+        elif isinstance(message, protocol.Resume):
+            self._spawn(self._do_resume())
+        elif isinstance(message, protocol.Update):
+            self._spawn(self._offer_update(message))
+        elif isinstance(message, protocol.Error):
+            log.warning("coordinator reported an error: %s %s (ref %s)", message.code, message.message, message.ref)
+
+    # --- assignment and engines ------------------------------------------------------------
+
+    async def _assign(self, assign: protocol.Assign) -> None:
+        assert self._engines_lock is not None and self.machine is not None
+        async with self._engines_lock:
+            await self._drain_and_stop()
+            self._assignment = assign
+            self._problem = None
+            result = plan(self.machine, assign, self.settings)
+            if isinstance(result, Refusal):
+                self._plan = None
+                self._problem = Problem("Assignment refused", result.reason, "none")
+                log.warning("assignment %s refused: %s", assign.assignment_id, result.reason)
+            else:
+                self._plan = result
+                log.info(
+                    "assignment %s: %s on %s (%s)",
+                    assign.assignment_id,
+                    assign.model.name,
+                    result.engine,
+                    ", ".join(f"{e.engine_id} {e.layout} gpus={list(e.gpu_indices)} tier={e.tier}" for e in result.engines),
+                )
+            self.state.last_assignment = assign.model_dump()
+            await asyncio.to_thread(save_state, self.paths, self.state)
+            await self._send_status(force=True)
+            if self._plan and not self._pause:
+                await self._start_engines()
+
+    async def _unassign(self) -> None:
+        assert self._engines_lock is not None
+        async with self._engines_lock:
+            await self._drain_and_stop()
+            self._assignment = None
+            self._plan = None
+            self._problem = None
+            await self._send_status(force=True)
+
+    async def _start_engines(self) -> None:
+        assert self._plan is not None
+        self._provisioning = True
+        self._publish()
+        try:
+            engine_plans = await self._provision(self._plan)
+        except ProvisionError as exc:
+            self._problem = exc.problem
+            log.error("%s: %s", exc.problem.title, exc.problem.message)
+            return
+        finally:
+            self._provisioning = False
+        for engine_plan in engine_plans:
+            sup = EngineSupervisor(engine_plan, paths=self.paths, on_event=self._on_engine_change, http=self._http)
+            self._supervisors[engine_plan.engine_id] = sup
+            await sup.start()
+        self._publish()
+
+    async def _provision(self, current: Plan) -> list[Any]:
+        """Model files (and, where missing, the engine) in place; the plans rewritten to use them."""
+        executable, env = await self._engine_executable(current)
+        path = await ensure_model(current.engine_model, current.engine, self.paths, self.settings, self._on_download)
+        return [replace(ep, model=str(path), executable=executable, env={**ep.env, **env}) for ep in current.engines]
+
+    async def _engine_executable(self, current: Plan) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The engine the user pointed at, the one found on the machine, or one installed now."""
+        assert self.machine is not None
+        engine, wanted = current.engine, current.engine_model.engine_version
+        given = self._engine_bins.get(engine)
+        if given:
+            return (given,), _library_env(Path(given).parent)
+        found = self.machine.engines.get(engine)
+        if found and found.path and (wanted is None or found.version == wanted):
+            return current.engines[0].executable, {}
+        install = await ensure_engine(
+            engine,
+            wanted,
+            self.paths,
+            self._on_download,
+            accelerator=_accelerator(self.machine),
+            cuda_driver=_cuda_version(self.machine.cuda_version),
+        )
+        return install.executable, _library_env(install.library_dir) if install.library_dir else {}
+
+    async def _drain_and_stop(self) -> None:
+        if not self._supervisors:
+            return
+        self._draining = True
+        try:
+            if self._relay:
+                await self._relay.drain(DRAIN_S)
+            await self._stop_engines()
+        finally:
+            self._draining = False
+
+    async def _stop_engines(self) -> None:
+        sups = list(self._supervisors.values())
+        await asyncio.gather(*(s.stop() for s in sups), return_exceptions=True)
+        self._supervisors.clear()
+        self._meters.clear()
+        self._publish()
+
+    def _on_engine_change(self, snap: EngineSnapshot, reason: str) -> None:
+        sup = self._supervisors.get(snap.engine_id)
+        if snap.state == "ready" and sup is not None and sup.run_id is not None:
+            run_id = sup.run_id
+            meter = self._meters.get(snap.engine_id)
+            if meter is None or meter.run_id != run_id:
+                self._meters[snap.engine_id] = RunMeter(run_id, clock=self._monotonic)
+                self._notice(f"Serving {self._plan.model_name if self._plan else 'the model'} on {snap.engine_id}")
+        elif snap.state in ("starting", "failed", "stopped"):
+            self._meters.pop(snap.engine_id, None)
+            if snap.state == "failed":
+                self._notice(f"Engine {snap.engine_id} failed: {snap.last_error}")
+        self._publish()
+        if self._loop:
+            self._spawn(self._send_status())
+
+    # --- pause ----------------------------------------------------------------------------
+
+    async def _do_pause(self, reason: str, until: float | None) -> None:
+        assert self._engines_lock is not None
+        self._pause = _Pause(reason, until)
+        self.state.paused, self.state.pause_until = reason in ("user", "timed"), until
+        await asyncio.to_thread(save_state, self.paths, self.state)
+        log.info("paused (%s)%s", reason, f" until {time.ctime(until)}" if until else "")
+        await self._send_status(force=True)
+        async with self._engines_lock:
+            await self._drain_and_stop()
+        await self._send_status(force=True)
+
+    async def _do_resume(self) -> None:
+        assert self._engines_lock is not None
+        if self._pause is None:
+            return
+        self._pause = None
+        self.state.paused, self.state.pause_until = False, None
+        await asyncio.to_thread(save_state, self.paths, self.state)
+        log.info("resumed")
+        await self._send_status(force=True)
+        async with self._engines_lock:
+            if self._plan and not self._supervisors:
+                await self._start_engines()
+
+    def _set_settings(self, settings: Settings) -> None:
+        self.settings = settings
+        if self._updater:
+            self._updater.apply_settings(settings)
+
+    def _autopause(self) -> AutoPauser:
+        return AutoPauser(self, lambda: self.settings, self._foreign_gpu_processes)
+
+    def _foreign_gpu_processes(self) -> list[Any]:
+        if self._nvml is None:
+            return []
+        try:
+            return list(gpu_processes(self._nvml))
+        except NvmlError:
+            return []
+
+    # --- relay hooks ----------------------------------------------------------------------
+
+    def _gate(self) -> Literal["paused", "draining", "not_ready"] | None:
+        if self._pause is not None:
+            return "paused"
+        if self._draining:
+            return "draining"
+        if not self._ready_targets():
+            return "not_ready"
+        return None
+
+    def _ready_targets(self) -> list[EngineTarget]:
+        targets = (s.target() for s in self._supervisors.values())
+        return [EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name) for t in targets if t is not None]
+
+    def on_start(self, request_id: str, engine_id: str, t: float) -> None:
+        self._request_engine[request_id] = engine_id
+        sup = self._supervisors.get(engine_id)
+        if sup:
+            sup.request_started()
+        meter = self._meters.get(engine_id)
+        if meter:
+            meter.request_started(request_id, t)
+
+    def on_first_token(self, request_id: str, t: float) -> None:
+        meter = self._meters.get(self._request_engine.get(request_id, ""))
+        if meter:
+            meter.first_token(request_id, t)
+
+    def on_chunk(self, engine_id: str) -> None:
+        sup = self._supervisors.get(engine_id)
+        if sup:
+            sup.note_progress()
+
+    def on_end(self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool) -> None:
+        self._request_engine.pop(request_id, None)
+        sup = self._supervisors.get(engine_id)
+        if sup:
+            sup.request_finished()
+        meter = self._meters.get(engine_id)
+        if meter:
+            meter.request_finished(request_id, t, usage, ok)
+        if usage and self._ledger and self._plan:
+            price = self._welcome.price if self._welcome else protocol.Price()
+            run_id = meter.run_id if meter else ""
+            self._spawn(
+                asyncio.to_thread(
+                    self._ledger.record_request,
+                    request_id,
+                    run_id,
+                    self._plan.model_name,
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    price,
+                )
+            )
+
+    # --- status and snapshots ----------------------------------------------------------------
+
+    def _node_state(self) -> NodeState:
+        if self._pause is not None:
+            return "paused"
+        if self._assignment is None:
+            return "idle"
+        if self._plan is None or (self._problem and not self._supervisors):
+            return "failed"
+        if self._provisioning or not self._supervisors:
+            return "configured"
+        return summarise([s.snapshot().state for s in self._supervisors.values()])
+
+    def _status(self) -> protocol.Status:
+        engines = [s.snapshot() for s in self._supervisors.values()]
+        figures = aggregate(self._meters.values(), clock=self._monotonic)
+        return protocol.Status(
+            state=self._node_state(),
+            assignment_id=self._assignment.assignment_id if self._assignment else None,
+            model=self._assignment.model.name if self._assignment else None,
+            last_error=self._problem.message if self._problem else None,
+            engines=[
+                protocol.EngineStatus(
+                    engine_id=e.engine_id,
+                    gpu_indices=list(e.gpu_indices),
+                    layout=e.layout,
+                    argv=list(e.argv),
+                    state=e.state,
+                    kv_cache_tokens=e.kv_cache_tokens,
+                    kv_cache_gib=e.kv_cache_gib,
+                    max_model_len=e.context.declared,
+                    max_concurrency=e.max_concurrency,
+                    restarts=e.restarts,
+                    last_error=e.last_error,
+                )
+                for e in engines
+            ],
+            throughput=protocol.Throughput(
+                tokens_per_s=figures.tokens_per_s,
+                per_request_tokens_per_s=figures.per_request_tokens_per_s,
+                run_tokens=figures.run_tokens,
+                run_seconds=round(figures.run_seconds, 3),
+                requests=figures.requests,
+            ),
+            gpus=[
+                protocol.GpuStatus(
+                    index=s.index,
+                    util_pct=s.util_pct,
+                    memory_used_mib=s.memory_used_mib,
+                    power_w=s.power_w,
+                    temperature_c=s.temperature_c,
+                )
+                for s in self._gpu_samples.values()
+            ],
+            in_flight=self._relay.in_flight if self._relay else 0,
+        )
+
+    async def _send_status(self, force: bool = False) -> None:
+        """On every state change (or `force`); the heartbeat sends regardless."""
+        status = self._status()
+        key = (status.state, tuple((e.engine_id, e.state, e.restarts) for e in status.engines), status.last_error)
+        if not force and key == self._last_status_key:
+            return
+        self._last_status_key = key
+        self._publish()
+        await self._send(status)
+
+    async def _ticker(self) -> None:
+        last_heartbeat = self._monotonic()
+        while True:
+            await asyncio.sleep(TICK_S)
+            await self._sample()
+            if self._pause and self._pause.until and self._clock() >= self._pause.until:
+                self._spawn(self._do_resume())
+            heartbeat = self._welcome.heartbeat_s if self._welcome else 10.0
+            if self._monotonic() - last_heartbeat >= heartbeat:
+                last_heartbeat = self._monotonic()
+                await self._send_status(force=True)
+            else:
+                await self._send_status()
+            self._publish()
+            await asyncio.to_thread(self._write_status_file)
+
+    async def _sample(self) -> None:
+        """GPU telemetry, energy and chart history, once a second, off the loop."""
+        now = self._clock()
+        if self._nvml is not None:
+            try:
+                samples = await asyncio.to_thread(sample_gpus, self._nvml)
+            except NvmlError as exc:
+                log.debug("GPU sample failed: %s", exc)
+                samples = []
+            self._gpu_samples = {s.index: s for s in samples}
+            joules = sum(self._energy.add(s.index, now, s.power_w, s.energy_mj) for s in samples)
+            if joules and self._ledger:
+                await asyncio.to_thread(
+                    self._ledger.record_energy, joules, now, self.settings.electricity_price_per_kwh, self.settings.currency
+                )
+        if self._ledger:
+            figures = aggregate(self._meters.values(), clock=self._monotonic)
+            rows = [("tokens_per_s", figures.tokens_per_s)]
+            if self._gpu_samples:
+                utils = [s.util_pct for s in self._gpu_samples.values() if s.util_pct is not None]
+                powers = [s.power_w for s in self._gpu_samples.values() if s.power_w is not None]
+                rows += [("gpu_util", sum(utils) / len(utils) if utils else None), ("power_w", sum(powers) if powers else None)]
+            await asyncio.to_thread(self._record_samples, rows, now)
+
+    def _record_samples(self, rows: list[tuple[str, float | None]], now: float) -> None:
+        assert self._ledger is not None
+        for name, value in rows:
+            if value is not None:
+                self._ledger.record_sample(name, value, now)
+
+    def _notice(self, text: str) -> None:
+        self._notices = (self._notices + [text])[-10:]
+
+    def _build_snapshot(self) -> NodeSnapshot:
+        machine = self.machine
+        engines = tuple(s.snapshot() for s in self._supervisors.values())
+        lent = set(self.settings.gpus_to_lend) if self.settings.gpus_to_lend is not None else None
+        gpus = tuple(
+            GpuSnapshot(
+                index=g.index,
+                name=g.name,
+                memory_total_mib=g.memory_total_mib,
+                memory_usable_mib=g.usable_mib,
+                memory_used_mib=self._gpu_samples[g.index].memory_used_mib if g.index in self._gpu_samples else g.memory_used_mib,
+                util_pct=self._gpu_samples[g.index].util_pct if g.index in self._gpu_samples else g.util_pct,
+                temperature_c=self._gpu_samples[g.index].temperature_c if g.index in self._gpu_samples else g.temperature_c,
+                power_w=self._gpu_samples[g.index].power_w if g.index in self._gpu_samples else g.power_w,
+                power_limit_w=g.power_limit_w,
+                lent=lent is None or g.index in lent,
+            )
+            for g in (machine.gpus if machine else ())
+        )
+        earnings = self._ledger.summary(currency=self.settings.currency) if self._ledger else None
+        kwargs: dict[str, Any] = {}
+        if earnings is not None:
+            kwargs["earnings"] = earnings
+        return NodeSnapshot(
+            at=self._clock(),
+            state=self._node_state() if hasattr(self, "state") else "idle",
+            node_id=self.state.node_id if hasattr(self, "state") else "",
+            runtime=machine.runtime if machine else "cpu",
+            paused=self._pause is not None,
+            pause_reason=self._pause.reason if self._pause else None,  # type: ignore[arg-type]
+            pause_until=self._pause.until if self._pause else None,
+            assignment_id=self._assignment.assignment_id if self._assignment else None,
+            model=self._assignment.model.name if self._assignment else None,
+            problem=self._problem or self._connection.problem,
+            gpus=gpus,
+            groups=tuple(tuple(g.gpu_indices) for g in (machine.groups if machine else ())),
+            effective_vram_mib=machine.effective_vram_mib if machine else 0,
+            engines=engines,
+            throughput=aggregate(self._meters.values(), clock=self._monotonic),
+            connection=self._connection,
+            downloads=tuple(self._downloads.values()),
+            in_flight=self._relay.in_flight if self._relay else 0,
+            notices=tuple(self._notices),
+            **kwargs,
+        )
+
+    def _publish(self) -> None:
+        snap = self._build_snapshot()
+        self._snapshot = snap
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            try:
+                callback(snap)
+            except Exception:  # noqa: BLE001 - a broken viewer must not stop the node
+                log.exception("a snapshot subscriber failed")
+
+    def _write_status_file(self) -> None:
+        snap = self._snapshot
+        if snap is None:
+            return
+        data = {"pid": os.getpid(), "version": __version__, "snapshot": asdict(snap)}
+        tmp = self.paths.status_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, default=str), encoding="utf-8")
+        os.replace(tmp, self.paths.status_file)
+
+    def _on_download(self, event: DownloadProgress) -> None:
+        if event.finished or event.error:
+            self._downloads.pop(event.what, None)
+        else:
+            self._downloads[event.what] = event
+        self._publish()
+
+    # --- updates --------------------------------------------------------------------------
+
+    async def _offer_update(self, update: protocol.Update) -> None:
+        log.info("update %s offered by the coordinator", update.version)
+        if self._updater:
+            await self._updater.offer(update)
+
+    def install_update_now(self) -> None:
+        """The user's "install now": applies a staged update without waiting for idle."""
+        if self._updater:
+            updater = self._updater
+            self._on_loop(lambda: self._spawn(updater.install_now()))
+
+    def _in_flight(self) -> int:
+        return self._relay.in_flight if self._relay else 0
+
+    async def _stop_serving(self) -> None:
+        """Before an update swaps the install: engines gone, link closed."""
+        assert self._engines_lock is not None
+        async with self._engines_lock:
+            await self._drain_and_stop()
+        if self._link:
+            await self._link.close()
+
+    async def _resume_serving(self) -> None:
+        """After a rolled-back update: reconnect and start the engines again."""
+        if self._link:
+            self._spawn(self._link.run())
+        assert self._engines_lock is not None
+        async with self._engines_lock:
+            if self._plan and not self._pause and not self._supervisors:
+                await self._start_engines()
+
+    def _exit_for_update(self) -> None:
+        self.exit_requested_by_update = True
+        self.shutdown()
+
+
+def _accelerator(machine: Machine) -> Literal["cpu", "cuda", "metal"]:
+    if machine.runtime == "apple-silicon":
+        return "metal"
+    return "cuda" if machine.gpus else "cpu"
+
+
+def _cuda_version(text: str | None) -> tuple[int, int] | None:
+    major, _, minor = (text or "").partition(".")
+    return (int(major), int(minor or 0)) if major.isdigit() and (minor or "0").isdigit() else None
+
+
+def _library_env(folder: Path) -> dict[str, str]:
+    """Engines shipped with their shared libraries beside them find them through the loader path."""
+    if not any(folder.glob("*.so*")) and not any(folder.glob("*.dylib")):
+        return {}
+    name = "DYLD_LIBRARY_PATH" if os.uname().sysname == "Darwin" else "LD_LIBRARY_PATH"
+    existing = os.environ.get(name)
+    return {name: f"{folder}{os.pathsep}{existing}" if existing else str(folder)}
+
+
+class _ProgressLines:
+    """Headless mode's progress bar: one log line per download every few seconds."""
+
+    def __init__(self, every_s: float = 3.0) -> None:
+        self._every_s = every_s
+        self._last: dict[str, float] = {}
+
+    def __call__(self, snap: NodeSnapshot) -> None:
+        now = time.monotonic()
+        for d in snap.downloads:
+            if now - self._last.get(d.what, 0.0) < self._every_s:
+                continue
+            self._last[d.what] = now
+            share = f"{d.fraction:.0%} " if d.fraction is not None else ""
+            total = f" of {d.total_bytes / 1e6:,.0f} MB" if d.total_bytes else ""
+            rate = f", {d.rate_bps / 1e6:,.1f} MB/s" if d.rate_bps else ""
+            eta = f", {d.eta_s:,.0f} s left" if d.eta_s is not None else ""
+            log.info("downloading %s: %s(%s MB%s%s%s)", d.what, share, f"{d.done_bytes / 1e6:,.0f}", total, rate, eta)
+
+
+def run_headless(
+    paths: Paths,
+    settings: Settings,
+    *,
+    coordinator_url: str,
+    hardware_override: Path | None = None,
+    engine_bins: dict[str, str] | None = None,
+    model: str | None = None,
+    openai_port: int | None = None,
+    verbose: bool = False,
+) -> int:
+    """`gpu-provider run --headless`: the whole node without Qt; Ctrl-C / SIGTERM drain and exit 0."""
+    import signal
+
+    from worker.applog import configure
+
+    configure(paths, console=True, verbose=verbose)
+    node = Node(
+        paths,
+        settings,
+        coordinator_url=coordinator_url,
+        hardware_override=hardware_override,
+        engine_bins=engine_bins,
+        model=model,
+        openai_port=openai_port,
+    )
+    node.subscribe(_ProgressLines())
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, node.shutdown)
+            except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C arrives as KeyboardInterrupt
+                pass
+        await node.run()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    log.info("stopped")
+    return 0
