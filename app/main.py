@@ -33,28 +33,21 @@ SHOW_MESSAGE = b"show\n"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="gpu-provider", description="GPU Provider desktop app")
-    parser.add_argument("--data-dir", help="keep settings, models and logs under this folder")
-    parser.add_argument("--coordinator", help="coordinator URL, or 'local' for the built-in one")
-    parser.add_argument("--hardware", type=Path, help="use recorded hardware (detect JSON) instead of detecting")
-    parser.add_argument(
-        "--engine-bin", action="append", default=[], metavar="ENGINE=PATH", help="use this engine executable"
+    """The node's options (shared with `gpu-provider run`) plus the window's own."""
+    from worker.cli import InputError, node_options, parse_engine_bins
+
+    parser = argparse.ArgumentParser(
+        prog="gpu-provider", description="GPU Provider desktop app", parents=[node_options()]
     )
+    parser.add_argument("--data-dir", help="keep settings, models and logs under this folder")
     parser.add_argument("--quit-after", type=float, metavar="SECONDS", help="quit after this long (smoke tests)")
     parser.add_argument("--minimized", action="store_true", help="start in the tray without opening the window")
     args = parser.parse_args(list(argv))
     try:
-        args.engine_bins = dict(_engine_bin(item) for item in args.engine_bin)
-    except ValueError as exc:
+        args.engine_bins = parse_engine_bins(args.engine_bin)
+    except InputError as exc:
         parser.error(str(exc))
     return args
-
-
-def _engine_bin(item: str) -> tuple[str, str]:
-    engine, sep, path = item.partition("=")
-    if not sep or not engine or not path:
-        raise ValueError(f"--engine-bin expects ENGINE=PATH (for example llamacpp=/opt/llama-server), not {item!r}")
-    return engine, path
 
 
 def instance_name(paths: Paths) -> str:
@@ -184,14 +177,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from worker.node import Node  # loaded once this is known to be the only instance
 
-    applog.configure(paths, console=False)
+    applog.configure(paths, console=False, verbose=args.verbose)
     settings = load_settings(paths)
     node = Node(
         paths,
         settings,
         coordinator_url=args.coordinator or settings.coordinator_url,
-        hardware_override=args.hardware,
+        hardware_override=Path(args.hardware) if args.hardware else None,
         engine_bins=args.engine_bins,
+        model=args.model,
+        openai_port=args.openai_port,
     )
     return run_app(qapp, node, paths, settings, args)
 

@@ -1,0 +1,345 @@
+"""Earnings, energy and chart history in SQLite (WAL), so the figures survive crashes and restarts.
+
+Every write is its own committed transaction: a SIGKILL loses at most the write in progress and
+never leaves the file inconsistent. Requests are keyed by request id and inserted with
+`INSERT OR IGNORE`, so a reconnect or a replayed `response.end` never counts twice. The API is
+synchronous and thread-safe (one connection behind a lock); the node calls it through
+`asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, tzinfo
+from pathlib import Path
+
+from worker.events import EarningsSnapshot
+from worker.protocol import Price
+
+SCHEMA_VERSION = 1
+JOULES_PER_KWH = 3_600_000.0
+COARSE_STEP_S = 60
+DETAIL_DAYS = 2  # requests kept one by one (for idempotency) for today and yesterday, then per day
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    request_id TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    currency TEXT NOT NULL,
+    amount REAL NOT NULL,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS requests_by_time ON requests (currency, at);
+CREATE TABLE IF NOT EXISTS earnings_by_day (
+    day REAL NOT NULL,
+    currency TEXT NOT NULL,
+    requests INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    amount REAL NOT NULL,
+    PRIMARY KEY (day, currency)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS energy (
+    minute INTEGER NOT NULL,
+    currency TEXT NOT NULL,
+    joules REAL NOT NULL,
+    cost REAL NOT NULL,
+    PRIMARY KEY (minute, currency)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS samples_fine (
+    series TEXT NOT NULL,
+    t INTEGER NOT NULL,
+    value REAL NOT NULL,
+    PRIMARY KEY (series, t)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS samples_coarse (
+    series TEXT NOT NULL,
+    t INTEGER NOT NULL,
+    total REAL NOT NULL,
+    count INTEGER NOT NULL,
+    PRIMARY KEY (series, t)
+) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long chart points are kept: per second for `fine_s`, as per-minute means for `coarse_s`."""
+
+    fine_s: int = 3_600
+    coarse_s: int = 7 * 86_400
+
+    def max_rows(self, series: int) -> int:
+        """The most points the store can hold for this many series (pruning runs once a minute)."""
+        return series * (self.fine_s + COARSE_STEP_S + self.coarse_s // COARSE_STEP_S + 1)
+
+
+class LedgerError(Exception):
+    """The ledger file cannot be used; the message says which file and what to do."""
+
+
+def earned(price: Price, prompt_tokens: int, completion_tokens: int) -> float:
+    """What one request earns at the coordinator's price (per million tokens)."""
+    return (
+        prompt_tokens * price.per_million_input_tokens + completion_tokens * price.per_million_output_tokens
+    ) / 1e6
+
+
+class Ledger:
+    """Earnings by request, energy by minute, chart series at 1 s / 1 min resolution."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        clock: Callable[[], float] = time.time,
+        tz: tzinfo | None = None,
+        retention: Retention = Retention(),
+    ) -> None:
+        """`tz` None = the system's local time, for day and week boundaries."""
+        self._clock = clock
+        self._retention = retention
+        self._tz = tz
+        self._lock = threading.Lock()
+        self._last_prune_minute: dict[str, int] = {}
+        self._compacted_before: float | None = None
+        try:
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode survives an application crash; only a power cut can lose the
+            # last commits, and even then the file stays consistent.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            with self._db:
+                self._db.executescript(_SCHEMA)
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as exc:
+            raise LedgerError(
+                f"the earnings ledger {path} cannot be opened ({exc}); "
+                "move it aside and restart to begin a new one"
+            ) from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _write(self, sql: str, params: tuple[object, ...]) -> int:
+        with self._lock, self._db:
+            return self._db.execute(sql, params).rowcount
+
+    # --- earnings ---------------------------------------------------------------------------
+
+    def record_request(
+        self,
+        request_id: str,
+        run_id: str,
+        model: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        price: Price,
+        at: float | None = None,
+    ) -> bool:
+        """Credit one finished request; `False` when this request id was already credited."""
+        if prompt_tokens < 0 or completion_tokens < 0:
+            raise ValueError(f"request {request_id}: token counts cannot be negative")
+        at = self._clock() if at is None else at
+        amount = earned(price, prompt_tokens, completion_tokens)
+        with self._lock, self._db:
+            inserted = self._db.execute(
+                "INSERT OR IGNORE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (request_id, run_id, model, prompt_tokens, completion_tokens, price.currency, amount, at),
+            ).rowcount
+            self._compact(at)
+        return inserted == 1
+
+    def _compact(self, now: float) -> None:
+        """Fold requests older than yesterday into per-day totals, so the file grows by a row a day.
+
+        Request ids are therefore remembered (for idempotency) for today and yesterday: far longer
+        than any reconnect replays a `response.end`. Runs in the caller's transaction, once a day.
+        """
+        cutoff = self._local_midnight(self._local_date(now) - timedelta(days=DETAIL_DAYS - 1))
+        if self._compacted_before is not None and cutoff <= self._compacted_before:
+            return
+        while (oldest := self._oldest_request_before(cutoff)) is not None:
+            day = self._local_date(oldest)
+            start, end = self._local_midnight(day), self._local_midnight(day + timedelta(days=1))
+            self._db.execute(
+                "INSERT INTO earnings_by_day SELECT ?, currency, COUNT(*), SUM(prompt_tokens),"
+                " SUM(completion_tokens), SUM(amount) FROM requests"
+                " WHERE at >= ? AND at < ? GROUP BY currency"
+                " ON CONFLICT (day, currency) DO UPDATE SET requests = requests + excluded.requests,"
+                " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+                " completion_tokens = completion_tokens + excluded.completion_tokens,"
+                " amount = amount + excluded.amount",
+                (start, start, end),
+            )
+            self._db.execute("DELETE FROM requests WHERE at >= ? AND at < ?", (start, end))
+        self._compacted_before = cutoff
+
+    def record_energy(self, joules: float, at: float | None, price_per_kwh: float, currency: str) -> None:
+        """Add energy drawn (and its cost at today's price) to the minute it ended in."""
+        if joules < 0 or not math.isfinite(joules):
+            raise ValueError(f"energy must be a finite, non-negative number of joules, not {joules}")
+        if joules == 0:
+            return
+        at = self._clock() if at is None else at
+        cost = joules / JOULES_PER_KWH * price_per_kwh
+        self._write(
+            "INSERT INTO energy VALUES (?, ?, ?, ?) ON CONFLICT (minute, currency) DO UPDATE SET "
+            "joules = joules + excluded.joules, cost = cost + excluded.cost",
+            (int(at // COARSE_STEP_S) * COARSE_STEP_S, currency, joules, cost),
+        )
+
+    def _oldest_request_before(self, cutoff: float) -> float | None:
+        row = self._db.execute("SELECT MIN(at) FROM requests WHERE at < ?", (cutoff,)).fetchone()
+        return None if row[0] is None else float(row[0])
+
+    def summary(self, now: float | None = None, currency: str = "USD") -> EarningsSnapshot:
+        """Today, this week (from Monday) and all time, in local time; other currencies left out."""
+        now = self._clock() if now is None else now
+        day = self._day_start(now)
+        week = self._week_start(now)
+        with self._lock:
+            earned_ = self._db.execute(
+                "SELECT COALESCE(SUM(CASE WHEN at >= ? THEN amount END), 0),"
+                " COALESCE(SUM(CASE WHEN at >= ? THEN amount END), 0), COALESCE(SUM(amount), 0)"
+                " FROM (SELECT at, amount, currency FROM requests"
+                " UNION ALL SELECT day, amount, currency FROM earnings_by_day) WHERE currency = ?",
+                (day, week, currency),
+            ).fetchone()
+            energy = self._db.execute(
+                "SELECT COALESCE(SUM(CASE WHEN minute >= ? THEN cost END), 0),"
+                " COALESCE(SUM(CASE WHEN minute >= ? THEN cost END), 0), COALESCE(SUM(cost), 0),"
+                " COALESCE(SUM(CASE WHEN minute >= ? THEN joules END), 0)"
+                " FROM energy WHERE currency = ?",
+                (day, week, day, currency),
+            ).fetchone()
+        return EarningsSnapshot(
+            currency=currency,
+            today=earned_[0],
+            week=earned_[1],
+            all_time=earned_[2],
+            energy_cost_today=energy[0],
+            energy_cost_week=energy[1],
+            energy_cost_all_time=energy[2],
+            energy_kwh_today=energy[3] / JOULES_PER_KWH,
+        )
+
+    def _local_midnight(self, day: date) -> float:
+        # A naive datetime's timestamp() uses the system's local rules, DST included.
+        return datetime(day.year, day.month, day.day, tzinfo=self._tz).timestamp()
+
+    def _local_date(self, now: float) -> date:
+        return datetime.fromtimestamp(now, self._tz).date()
+
+    def _day_start(self, now: float) -> float:
+        return self._local_midnight(self._local_date(now))
+
+    def _week_start(self, now: float) -> float:
+        today = self._local_date(now)
+        return self._local_midnight(today - timedelta(days=today.weekday()))
+
+    # --- history ----------------------------------------------------------------------------
+
+    def record_sample(self, series: str, value: float, at: float | None = None) -> None:
+        """One chart point: kept per second for an hour and as per-minute means for a week."""
+        self.record_samples({series: value}, at)
+
+    def record_samples(self, values: Mapping[str, float], at: float | None = None) -> None:
+        """Several series' points of one instant, in one transaction (one commit a second)."""
+        at = self._clock() if at is None else at
+        second, minute = int(at), int(at // COARSE_STEP_S) * COARSE_STEP_S
+        points = [(name, value) for name, value in values.items() if math.isfinite(value)]
+        with self._lock, self._db:
+            for name, value in points:
+                self._db.execute(
+                    "INSERT INTO samples_fine VALUES (?, ?, ?) ON CONFLICT (series, t) DO UPDATE SET"
+                    " value = excluded.value",
+                    (name, second, value),
+                )
+                self._db.execute(
+                    "INSERT INTO samples_coarse VALUES (?, ?, ?, 1) ON CONFLICT (series, t) DO UPDATE SET "
+                    "total = total + excluded.total, count = count + 1",
+                    (name, minute, value),
+                )
+                if self._last_prune_minute.get(name) != minute:
+                    self._prune(name, second)
+                    self._last_prune_minute[name] = minute
+
+    def _prune(self, series: str, now: int) -> None:
+        """Drop a series' points past their retention, once a minute, so the tables stay bounded."""
+        fine_cutoff, coarse_cutoff = now - self._retention.fine_s, now - self._retention.coarse_s
+        self._db.execute("DELETE FROM samples_fine WHERE series = ? AND t < ?", (series, fine_cutoff))
+        self._db.execute("DELETE FROM samples_coarse WHERE series = ? AND t < ?", (series, coarse_cutoff))
+
+    def series(self, name: str, since: float, now: float | None = None) -> list[tuple[float, float]]:
+        """Points from `since`: per second if that lies within the last hour, else per-minute means."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            if since >= now - self._retention.fine_s:
+                rows = self._db.execute(
+                    "SELECT t, value FROM samples_fine WHERE series = ? AND t >= ? ORDER BY t", (name, since)
+                ).fetchall()
+            else:
+                rows = self._db.execute(
+                    "SELECT t, total / count FROM samples_coarse WHERE series = ? AND t >= ? ORDER BY t",
+                    (name, int(since // COARSE_STEP_S) * COARSE_STEP_S),
+                ).fetchall()
+        return [(float(t), float(v)) for t, v in rows]
+
+    def sample_rows(self) -> int:
+        """Stored chart points, both resolutions (the size bound is checked against this)."""
+        with self._lock:
+            fine = self._db.execute("SELECT COUNT(*) FROM samples_fine").fetchone()[0]
+            coarse = self._db.execute("SELECT COUNT(*) FROM samples_coarse").fetchone()[0]
+        return int(fine) + int(coarse)
+
+
+# --- energy ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Reading:
+    at: float
+    power_w: float | None
+    energy_mj: int | None
+
+
+class EnergyIntegrator:
+    """Power samples → joules drawn since the previous sample, per GPU.
+
+    NVML's total-energy counter (mJ) is exact across any gap and preferred; it is only trusted
+    while it moves forward (a driver reload resets it). Otherwise power is integrated with the
+    trapezoid rule, but only across gaps up to `max_gap_s`: energy over a longer gap (the app was
+    closed, the machine slept) is unknown and left out rather than invented.
+    """
+
+    def __init__(self, max_gap_s: float = 10.0) -> None:
+        self._max_gap_s = max_gap_s
+        self._last: dict[int, _Reading] = {}
+
+    def add(self, gpu_index: int, at: float, power_w: float | None, energy_mj: int | None = None) -> float:
+        """Joules this GPU drew between its previous sample and this one (0 for the first)."""
+        previous = self._last.get(gpu_index)
+        self._last[gpu_index] = _Reading(at, power_w, energy_mj)
+        if previous is None or at <= previous.at:
+            return 0.0
+        if energy_mj is not None and previous.energy_mj is not None and energy_mj >= previous.energy_mj:
+            return (energy_mj - previous.energy_mj) / 1000.0
+        if power_w is None or previous.power_w is None or at - previous.at > self._max_gap_s:
+            return 0.0
+        return max(0.0, (power_w + previous.power_w) / 2 * (at - previous.at))
