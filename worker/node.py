@@ -50,6 +50,7 @@ from worker.update import NodeHooks, Updater, mark_hello_reached
 log = logging.getLogger(__name__)
 
 DRAIN_S = 30.0
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 TICK_S = 1.0
 Subscriber = Callable[[NodeSnapshot], None]
 
@@ -132,6 +133,7 @@ class Node(RelayHooks):
         self._supervisors: dict[str, EngineSupervisor] = {}
         self._meters: dict[str, RunMeter] = {}
         self._request_engine: dict[str, str] = {}
+        self._generations: set[str] = set()  # request ids that generate tokens: the only ones metered
         self._pause: _Pause | None = None
         self._draining = False
         self._provisioning = False
@@ -340,6 +342,8 @@ class Node(RelayHooks):
         if isinstance(message, protocol.Request):
             assert self._relay is not None and self._link is not None
             self._relay.handle(message, self._link.sender())
+            if self._relay.is_serving(message.id) and message.method == "POST" and message.path.split("?")[0] in GENERATION_PATHS:
+                self._generations.add(message.id)
         elif isinstance(message, protocol.Cancel):
             assert self._relay is not None
             self._relay.cancel(message.id)
@@ -533,6 +537,8 @@ class Node(RelayHooks):
         return [EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name) for t in targets if t is not None]
 
     def on_start(self, request_id: str, engine_id: str, t: float) -> None:
+        if request_id not in self._generations:
+            return
         self._request_engine[request_id] = engine_id
         sup = self._supervisors.get(engine_id)
         if sup:
@@ -552,6 +558,9 @@ class Node(RelayHooks):
             sup.note_progress()
 
     def on_end(self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool) -> None:
+        if request_id not in self._generations:
+            return
+        self._generations.discard(request_id)
         self._request_engine.pop(request_id, None)
         sup = self._supervisors.get(engine_id)
         if sup:
@@ -683,9 +692,7 @@ class Node(RelayHooks):
 
     def _record_samples(self, rows: list[tuple[str, float | None]], now: float) -> None:
         assert self._ledger is not None
-        for name, value in rows:
-            if value is not None:
-                self._ledger.record_sample(name, value, now)
+        self._ledger.record_samples({name: value for name, value in rows if value is not None}, now)
 
     def _notice(self, text: str) -> None:
         self._notices = (self._notices + [text])[-10:]

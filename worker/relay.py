@@ -292,6 +292,10 @@ class Relay:
     def in_flight(self) -> int:
         return len(self._jobs)
 
+    def is_serving(self, request_id: str) -> bool:
+        """True while `request_id` was accepted and has not reached its terminal message."""
+        return request_id in self._jobs
+
     def in_flight_by_engine(self) -> dict[str, int]:
         return {engine: n for engine, n in self._by_engine.items() if n}
 
