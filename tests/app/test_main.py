@@ -35,7 +35,7 @@ def test_arguments():
 def test_bad_engine_bin_is_explained(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--engine-bin", "llama-server"])
-    assert "--engine-bin expects ENGINE=PATH" in capsys.readouterr().err
+    assert "expected NAME=PATH" in capsys.readouterr().err
 
 
 def desktop(qtbot, node, tmp_path, tray: bool) -> DesktopApp:

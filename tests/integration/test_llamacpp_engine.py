@@ -1,0 +1,80 @@
+"""A real llama-server on CPU with the tiny GGUF, run by the supervisor: ready only after a real
+completion, context and slots read from the server, back after kill -9, nothing left after stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.engines import LlamaServer, free_port
+from worker.config import Paths
+from worker.events import EngineSnapshot
+from worker.plan import EnginePlan
+from worker.procs import StopTiming
+from worker.supervise import Backoff, EngineSupervisor, SupervisorTiming
+
+pytestmark = pytest.mark.integration
+
+TIMING = SupervisorTiming(ready_timeout_s=20, poll_s=0.05, request_timeout_s=2.0, probe_timeout_s=5.0,
+                          health_interval_s=0.1, stall_s=5.0, output_settle_s=1.0,
+                          stop=StopTiming(grace_s=3.0, gone_s=3.0, poll_s=0.02))
+
+
+def llama_plan(server: LlamaServer, model: Path) -> EnginePlan:
+    return EnginePlan(engine_id="cpu0", engine="llamacpp", gpu_indices=(), layout="single", memory_mib=1024,
+                      tier=None, args=("--ctx-size", "2048", "--threads", "1"), fallbacks=(),
+                      port=free_port(), env={}, executable=(str(server.executable),), model=str(model),
+                      served_name="tiny-llama")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_llama_server_lifecycle(llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path) -> None:
+    events: list[tuple[str, str]] = []
+
+    def record(snapshot: EngineSnapshot, reason: str) -> None:
+        events.append((snapshot.state, reason))
+
+    sup = EngineSupervisor(llama_plan(llama_server_bin, tiny_gguf), paths=Paths.under(tmp_path).ensure(),
+                           on_event=record, timing=TIMING, backoff=Backoff(initial_s=0.01, maximum_s=0.05),
+                           base_env=llama_server_bin.environment())
+    await sup.start()
+    try:
+        snap = await sup.wait_for_state("ready", "failed", timeout=20)
+        assert snap.state == "ready", snap.last_error
+        assert snap.max_concurrency == 4.0  # llama-server's default: 4 slots sharing one KV buffer
+        assert snap.context.declared == 2048 and snap.kv_cache_tokens == 2048 and snap.context.physical == 2048
+        assert snap.argv[snap.argv.index("--api-key") + 1] == "***"
+        target = sup.target()
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            reply = await client.post(f"{target.base_url}/v1/chat/completions",
+                                      headers={"Authorization": f"Bearer {target.api_key}"},
+                                      json={"model": target.served_name, "max_tokens": 8,
+                                            "messages": [{"role": "user", "content": "hello"}]})
+            refused = await client.get(f"{target.base_url}/props")
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
+        assert refused.status_code == 401
+
+        first_pid, first_run = snap.pid, sup.run_id
+        os.kill(first_pid, signal.SIGKILL)
+        await sup.wait_for_state("starting", timeout=5)
+        again = await sup.wait_for_state("ready", "failed", timeout=20)
+        assert again.state == "ready" and again.restarts == 1 and again.pid != first_pid
+        assert sup.run_id != first_run and "status -9" in again.last_error
+        assert sup.target().api_key != target.api_key
+    finally:
+        await sup.stop()
+    assert gone(again.pid) and gone(first_pid)
+    assert events[-1] == ("stopped", "stopped") and sup.target() is None
+    log_text = Path(again.log_path).read_text()
+    assert "listening on http://127.0.0.1:" in log_text

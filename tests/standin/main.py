@@ -1,0 +1,77 @@
+"""Entry point of the vLLM stand-in (`tests/standin/vllm serve MODEL …`). A test double, not vLLM.
+
+It reads vLLM's CLI, prints vLLM's startup lines, then serves on the host and port given until
+SIGTERM or SIGINT (or misbehaves as the STANDIN_* variables ask; see behaviour.py). Like vLLM it
+runs an engine-core child process, which exits when the API server goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from tests.standin.args import CliError, parse_serve
+from tests.standin.behaviour import Behaviour
+from tests.standin.server import StandinServer
+from tests.standin.startup import Line, effective_max_model_len, startup, uvicorn_ready
+
+USAGE = "usage: vllm serve MODEL [--host HOST] [--port PORT] [--api-key KEY] [--served-model-name NAME] …"
+
+
+def _print(lines: Sequence[Line]) -> None:
+    for stream, text in lines:
+        print(text, file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
+
+
+def _engine_core() -> None:
+    """Fork a child that lives while the API server does, as vLLM's EngineCore process does."""
+    parent = os.getpid()
+    if os.fork() == 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        while os.getppid() == parent:
+            time.sleep(0.1)
+        os._exit(0)
+
+
+async def _serve(server: StandinServer, ready: Sequence[Line], ignore_sigterm: bool) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if not ignore_sigterm:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    listener = await asyncio.start_server(server.handle, server.args.host, server.args.port, backlog=1024,
+                                          limit=256 * 1024)
+    _print(ready)
+    async with listener:
+        await stop.wait()
+    print(f"(APIServer pid={os.getpid()}) INFO Shutting down FastAPI HTTP server.", flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        args = parse_serve(argv)
+        behaviour = Behaviour.from_env()
+    except (CliError, ValueError) as exc:
+        print(f"{USAGE}\nvllm: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if behaviour.ignore_sigterm:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    if behaviour.engine_core:
+        _engine_core()
+    outcome = startup(args, behaviour)
+    if behaviour.start_delay_s:
+        _print(outcome.lines[:3])
+        time.sleep(behaviour.start_delay_s)
+        _print(outcome.lines[3:])
+    else:
+        _print(outcome.lines)
+    if outcome.exit_status is not None:
+        return outcome.exit_status
+    server = StandinServer(args, behaviour, effective_max_model_len(args, behaviour))
+    asyncio.run(_serve(server, uvicorn_ready(), behaviour.ignore_sigterm))
+    return 0

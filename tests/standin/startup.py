@@ -1,0 +1,176 @@
+"""vLLM's startup and failure lines, in the exact texts of the recorded fixtures.
+
+The texts follow tests/fixtures/vllm/ (0.33 and 0.11) with this run's numbers put in. vLLM's
+loggers write to stdout; tqdm bars and uvicorn write to stderr, so each line names its stream.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from tests.standin.args import ServeArgs
+from tests.standin.behaviour import Behaviour
+
+Stream = Literal["stdout", "stderr"]
+Line = tuple[Stream, str]
+
+WEIGHTS_GIB = 0.52
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the start leads to: serving, or an exit status after the failure lines."""
+
+    lines: tuple[Line, ...]
+    exit_status: int | None  # None: the server starts
+
+
+def _prefix(process: str, level: str, where: str) -> str:
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    return f"({process} pid={os.getpid()}) {level} {stamp} [{where}] "
+
+
+def _api(where: str, message: str, level: str = "INFO") -> Line:
+    return "stdout", _prefix("APIServer", level, where) + message
+
+
+def _core(where: str, message: str, level: str = "INFO", *, old: bool = False) -> Line:
+    return "stdout", _prefix("EngineCore_DP0" if old else "EngineCore", level, where) + message
+
+
+def effective_max_model_len(args: ServeArgs, behaviour: Behaviour) -> int:
+    return args.max_model_len or behaviour.model_max_len
+
+
+def _opening(args: ServeArgs, behaviour: Behaviour, max_len: int) -> list[Line]:
+    old = behaviour.version == "0.11"
+    version = "0.11.0" if old else "0.33.0"
+    banner = (f"vLLM API server version {version}" if old
+              else f"vLLM server version {version}, serving model {args.model}")
+    return [
+        _api("startup.py:18", banner),
+        _api("startup.py:96", f"non-default args: {args.non_default}"),
+        _api("model.py:744", "Resolved architecture: LlamaForCausalLM"),
+        _api("model.py:2170", f"Using max model len {max_len}"),
+        _core("core.py:140", f"Initializing a V1 LLM engine (v{version}) with config: model='{args.model}', "
+              f"dtype=torch.bfloat16, max_seq_len={max_len}, tensor_parallel_size={args.tensor_parallel}, "
+              f"served_model_name={args.served_name}", old=old),
+        _api("utils.py:1444", "Waiting for 1 local, 0 remote core engine proc(s) to start."),
+        _core("model_runner.py:399", "Loading model from scratch...", old=old),
+        ("stderr", "Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00, 98.10it/s]"),
+    ]
+
+
+def _traceback(error: str, *, old: bool) -> list[Line]:
+    return [
+        _core("core.py:1584", "EngineCore failed to start.", "ERROR", old=old),
+        _core("core.py:1584", "Traceback (most recent call last):", "ERROR", old=old),
+        _core("core.py:1584", '  File "/opt/vllm/lib/python3.12/site-packages/vllm/v1/engine/core.py", line 1575, '
+              "in run_engine_core", "ERROR", old=old),
+        _core("core.py:1584", error, "ERROR", old=old),
+        ("stdout", f"(APIServer pid={os.getpid()}) Traceback (most recent call last):"),
+        ("stdout", f"(APIServer pid={os.getpid()}) RuntimeError: Engine core initialization failed. "
+                   "See root cause above. Failed core proc(s): {'EngineCore': 1}"),
+    ]
+
+
+def _oom(old: bool) -> list[Line]:
+    torch_oom = ("CUDA out of memory. Tried to allocate 270.00 MiB. GPU 0 has a total capacity of 23.52 GiB "
+                 "of which 181.94 MiB is free.")
+    return [
+        _core("gpu_model_runner.py:5077", "Failed to load model - not enough GPU memory. Try lowering "
+              "--gpu-memory-utilization to free memory for weights, increasing --tensor-parallel-size, or using "
+              "--quantization. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more tips. "
+              f"(original error: {torch_oom})", "ERROR", old=old),
+        *_traceback(f"torch.OutOfMemoryError: {torch_oom}", old=old),
+    ]
+
+
+def _too_long(max_len: int, behaviour: Behaviour) -> list[Line]:
+    old = behaviour.version == "0.11"
+    needed = round(behaviour.kv_gib * max_len / max(behaviour.kv_tokens, 1), 2)
+    models = "models's" if old else "model's"
+    error = (f"ValueError: To serve at least one request with the {models} max seq len ({max_len}), ({needed} GiB KV "
+             f"cache is needed, which is larger than the available KV cache memory ({behaviour.kv_gib} GiB). "
+             f"Based on the available memory, the estimated maximum model length is {behaviour.kv_tokens}. "
+             "Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+    return _traceback(error, old=old)
+
+
+def _compile(args: ServeArgs, old: bool) -> list[Line]:
+    if args.enforce_eager:
+        return []
+    if old:
+        return [_core("backends.py:559", "Dynamo bytecode transform time: 0.01 s", old=True),
+                _core("monitor.py:34", "torch.compile takes 0.02 s in total", old=True)]
+    return [_core("monitor.py:40", "Starting torch.compile"),
+            _core("backends.py:1188", "Dynamo bytecode transform time: 0.01 s"),
+            _core("monitor.py:20", "torch.compile took 0.02 s in total")]
+
+
+def _kv(behaviour: Behaviour, max_len: int) -> list[Line]:
+    concurrency = behaviour.kv_tokens / max_len
+    if behaviour.version == "0.11":
+        return [_core("gpu_worker.py:298", f"Available KV cache memory: {behaviour.kv_gib:.2f} GiB", old=True),
+                _core("kv_cache_utils.py:1087", f"GPU KV cache size: {behaviour.kv_tokens:,} tokens", old=True),
+                _core("kv_cache_utils.py:1091",
+                      f"Maximum concurrency for {max_len:,} tokens per request: {concurrency:.2f}x", old=True)]
+    return [_core("gpu_worker.py:773", f"Available KV cache memory: {behaviour.kv_gib} GiB"),
+            _core("kv_cache_utils.py:1146", f"GPU KV cache size: {behaviour.kv_tokens:,} tokens, "
+                  f"Maximum concurrency for {max_len:,} tokens per request: {concurrency:.2f}x")]
+
+
+def _loaded(old: bool) -> Line:
+    if old:
+        return _core("gpu_model_runner.py:2653", f"Model loading took {WEIGHTS_GIB:.4f} GiB and 0.012000 seconds",
+                     old=True)
+    return _core("model_runner.py:429", f"Model loading took {WEIGHTS_GIB} GiB memory and 0.012000 seconds")
+
+
+def _finish(args: ServeArgs, old: bool) -> list[Line]:
+    graphs: list[Line] = [] if args.enforce_eager else [
+        ("stderr", "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##########| 4/4 [00:00<00:00]"),
+        _core("model_runner.py:1164", "Graph capturing finished in 0 secs, took 0.01 GiB", old=old),
+    ]
+    address = f"http://{args.host}:{args.port}"
+    started = f"Starting vLLM API server 0 on {address}" if old else f"Starting vLLM server on {address}"
+    return [
+        *graphs,
+        _core("core.py:396", "init engine (profile, create kv cache, warmup model) took 0.05 s", old=old),
+        _api("entry.py:135", "Supported tasks: ['generate']"),
+        _api("entry.py:139", started),
+        _api("launcher.py:188", "Available routes are:"),
+        *(_api("launcher.py:207", f"Route: {route}, Methods: {method}") for route, method in (
+            ("/health", "GET"), ("/metrics", "GET"), ("/v1/models", "GET"),
+            ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"))),
+    ]
+
+
+def startup(args: ServeArgs, behaviour: Behaviour) -> Outcome:
+    """The lines up to the point where the server listens, or up to the failure that ends the start."""
+    old = behaviour.version == "0.11"
+    max_len = effective_max_model_len(args, behaviour)
+    lines = _opening(args, behaviour, max_len)
+    if behaviour.exit_at_start is not None:
+        error = "RuntimeError: stand-in asked to fail at start (STANDIN_EXIT_AT_START)"
+        return Outcome(tuple(lines + _traceback(error, old=old)), behaviour.exit_at_start)
+    limit = behaviour.oom_above_max_model_len
+    if limit is not None and max_len > limit:
+        return Outcome(tuple(lines + _oom(old)), 1)
+    lines += [_loaded(old), *_compile(args, old)]
+    if max_len > behaviour.kv_tokens:
+        kv_line = _kv(behaviour, max_len)[0]
+        return Outcome(tuple(lines + [kv_line] + _too_long(max_len, behaviour)), 1)
+    return Outcome(tuple(lines + _kv(behaviour, max_len) + _finish(args, old)), None)
+
+
+def uvicorn_ready() -> tuple[Line, ...]:
+    """uvicorn's own lines (stderr) once the socket accepts connections."""
+    return (
+        ("stderr", f"INFO:     Started server process [{os.getpid()}]"),
+        ("stderr", "INFO:     Waiting for application startup."),
+        ("stderr", "INFO:     Application startup complete."),
+    )

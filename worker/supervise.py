@@ -1,0 +1,511 @@
+"""One engine process's life: start, readiness, health, restarts, out-of-memory fallback, stop.
+
+States follow the protocol: configured → starting → ready; degraded (serving, a health check
+failing); failed (gave up, the reason in `last_error`); stopped. Every change is reported with a
+reason. The decisions (what to do after an attempt ended) are pure functions; the process edge
+is `worker.procs`; HTTP goes to 127.0.0.1 only, with this run's random API key.
+
+Ready means `/v1/models` names the served model *and* a few tokens of a real completion came
+back in time: a listening port is never enough. While serving, an engine that stops answering
+`/health`, or makes no token progress while requests are in flight, is restarted: progress is
+judged, not duration, so a long generation is not a dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import httpx
+
+from worker import procs
+from worker.config import Paths
+from worker.engines.base import (
+    ContextSize,
+    ContextTooLong,
+    KvCacheMemory,
+    KvCacheSize,
+    LogFact,
+    MaxConcurrency,
+    MaxModelLen,
+    OutOfMemory,
+    PhaseReached,
+    Slots,
+)
+from worker.events import ContextNumbers, EngineSnapshot, NodeState
+from worker.plan import EnginePlan
+
+log = logging.getLogger(__name__)
+
+PROBE_PROMPT = "Hello"
+ERROR_LINES_SHOWN = 8
+
+EventCallback = Callable[[EngineSnapshot, str], None]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before the n-th restart in a row: `initial_s` doubling up to `maximum_s`."""
+
+    initial_s: float = 2.0
+    maximum_s: float = 300.0
+    factor: float = 2.0
+
+    def delay(self, failures_in_a_row: int) -> float:
+        return min(self.maximum_s, self.initial_s * self.factor ** max(0, failures_in_a_row - 1))
+
+
+@dataclass(frozen=True)
+class SupervisorTiming:
+    ready_timeout_s: float = 1800.0  # a large vLLM model compiles and captures graphs for many minutes
+    poll_s: float = 0.5
+    request_timeout_s: float = 10.0
+    probe_timeout_s: float = 60.0
+    probe_max_tokens: int = 4
+    health_interval_s: float = 5.0
+    health_failures: int = 3  # consecutive failed /health checks before a restart
+    stall_s: float = 120.0  # no token for this long with requests in flight → restart
+    stable_after_s: float = 60.0  # an engine that ran this long did not crash "fast"
+    max_fast_failures: int = 5
+    output_settle_s: float = 2.0  # after an exit, for the last lines to be read
+    stop: procs.StopTiming = procs.StopTiming()
+
+
+class Target(NamedTuple):
+    """Where the relay forwards: the engine on 127.0.0.1 and this run's key."""
+
+    base_url: str
+    api_key: str
+    served_name: str
+    engine_id: str
+
+
+EndKind = Literal["oom", "context", "crashed", "unhealthy", "timeout", "unstartable"]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How one attempt (one engine process) ended."""
+
+    kind: EndKind
+    message: str
+    uptime_s: float
+    was_ready: bool
+
+
+@dataclass(frozen=True)
+class Step:
+    """What to do next: `retry` (same args), `fallback` (the next option), or `fail`."""
+
+    action: Literal["retry", "fallback", "fail"]
+    reason: str
+    delay_s: float = 0.0
+
+
+def start_options(plan: EnginePlan) -> tuple[tuple[str | None, tuple[str, ...]], ...]:
+    """The planned args, then once the next lower tier, then base args alone (duplicates dropped)."""
+    options = [(plan.tier, tuple(plan.args))]
+    if plan.fallbacks:
+        options += [plan.fallbacks[0], plan.fallbacks[-1]]
+    unique: list[tuple[str | None, tuple[str, ...]]] = []
+    for tier, args in options:
+        if (tier, tuple(args)) not in unique:
+            unique.append((tier, tuple(args)))
+    return tuple(unique)
+
+
+def tier_name(tier: str | None) -> str:
+    return f"tier {tier}" if tier is not None else "base args"
+
+
+def next_step(ended: Ended, *, option: int, options: int, fast_failures: int, tier: str | None,
+              next_tier: str | None, timing: SupervisorTiming, backoff: Backoff) -> Step:
+    """Pure: the step after an attempt ended. `fast_failures` counts this one if it was fast."""
+    if ended.kind == "context":
+        return Step("fail", ended.message)
+    if ended.kind == "unstartable":
+        return Step("fail", ended.message)
+    if ended.kind == "oom" and not ended.was_ready:
+        if option + 1 < options:
+            return Step("fallback", f"out of memory while starting on {tier_name(tier)}; "
+                                    f"retrying on {tier_name(next_tier)}")
+        return Step("fail", f"The engine ran out of GPU memory while starting, even with {tier_name(tier)}. "
+                            f"Free GPU memory (close other programs using the GPU) and try again. {ended.message}")
+    if fast_failures >= timing.max_fast_failures:
+        return Step("fail", f"The engine failed {fast_failures} times in a row within "
+                            f"{timing.stable_after_s:.0f} s of starting; gave up. Last error: {ended.message}")
+    return Step("retry", f"restarting: {ended.message}", backoff.delay(max(1, fast_failures)))
+
+
+def context_refusal(fact: ContextTooLong) -> str:
+    estimate = (f"; with the memory there is, it estimates at most {fact.estimated_max_len} tokens"
+                if fact.estimated_max_len is not None else "")
+    lower = f" to {fact.estimated_max_len} or less" if fact.estimated_max_len is not None else ""
+    return (f"The engine refused max model len {fact.max_seq_len}: its KV cache does not fit in GPU memory"
+            f"{estimate}. Lower --max-model-len{lower}, or free GPU memory.")
+
+
+@dataclass
+class _AttemptFacts:
+    """What the log said during one attempt, kept to explain how it ended."""
+
+    oom: str | None = None
+    too_long: ContextTooLong | None = None
+
+
+class EngineSupervisor:
+    """Runs one `EnginePlan`'s engine and keeps it serving, or says why it cannot."""
+
+    def __init__(self, plan: EnginePlan, *, paths: Paths, on_event: EventCallback | None = None,
+                 timing: SupervisorTiming = SupervisorTiming(), backoff: Backoff = Backoff(),
+                 sleep: Callable[[float], Any] = asyncio.sleep, clock: Callable[[], float] = time.monotonic,
+                 key_factory: Callable[[], str] = lambda: secrets.token_urlsafe(24),
+                 base_env: Mapping[str, str] | None = None, gpu_released: procs.GpuReleased | None = None,
+                 http: httpx.AsyncClient | None = None):
+        self.plan = plan
+        self.adapter = plan.adapter
+        self._paths = paths
+        self._on_event = on_event
+        self._timing = timing
+        self._backoff = backoff
+        self._sleep = sleep
+        self._clock = clock
+        self._key_factory = key_factory
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._gpu_released = gpu_released
+        self._http = http or httpx.AsyncClient(trust_env=False)
+        self._owns_http = http is None
+        self._snapshot = EngineSnapshot(
+            engine_id=plan.engine_id, engine=plan.engine, gpu_indices=tuple(plan.gpu_indices), layout=plan.layout,
+            state="configured", tier=plan.tier, memory_mib=plan.memory_mib, port=plan.port)
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._process: procs.EngineProcess | None = None
+        self._api_key: str | None = None
+        self._run_id: str | None = None
+        self._facts = _AttemptFacts()
+        self._in_flight = 0
+        self._last_progress = clock()
+
+    # --- what others read ----------------------------------------------------------------
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def target(self) -> Target | None:
+        """Where to send requests now; None unless the engine is ready (or degraded but serving)."""
+        if self._snapshot.state not in ("ready", "degraded") or self._api_key is None:
+            return None
+        return Target(f"http://127.0.0.1:{self.plan.port}", self._api_key, self.plan.served_name, self.plan.engine_id)
+
+    @property
+    def run_id(self) -> str | None:
+        """Changes each time a new engine process becomes ready, so measurements never mix runs."""
+        return self._run_id
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def request_started(self) -> None:
+        if self._in_flight == 0:
+            self._last_progress = self._clock()
+        self._in_flight += 1
+
+    def request_finished(self) -> None:
+        self._in_flight = max(0, self._in_flight - 1)
+
+    def note_progress(self) -> None:
+        """The relay saw a streamed chunk: the engine is making progress."""
+        self._last_progress = self._clock()
+
+    async def wait_for_state(self, *states: NodeState, timeout: float) -> EngineSnapshot:
+        """The snapshot once the state is one of `states`; TimeoutError otherwise."""
+        async with asyncio.timeout(timeout):
+            while self._snapshot.state not in states:
+                await self._changed.wait()
+        return self._snapshot
+
+    # --- start and stop ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Begin supervising (returns at once; follow the events or `wait_for_state`)."""
+        if self._task is not None and not self._task.done():
+            return
+        self._task = asyncio.create_task(self._supervise(), name=f"supervise-{self.plan.engine_id}")
+
+    async def stop(self, reason: str = "stopped") -> None:
+        """Stop the engine (graceful, then forced) and wait until it and its GPU memory are gone.
+
+        Final: a stopped supervisor is not started again (make a new one).
+        """
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._stop_process()
+        self._set("stopped", reason)
+        if self._owns_http:
+            await self._http.aclose()
+
+    # --- the loop ------------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        try:
+            await self._keep_serving()
+        except Exception as exc:  # a bug here must not leave the engine "starting" for ever
+            log.exception("engine %s: supervisor error", self.plan.engine_id)
+            await self._stop_process()
+            message = f"The engine supervisor stopped on an internal error ({exc}); see the app log."
+            self._set("failed", message, last_error=message)
+
+    async def _keep_serving(self) -> None:
+        pid_path = procs.pid_file(self._paths.run_dir, self.plan.engine_id)
+        await asyncio.to_thread(procs.reap_pid_file, pid_path, self._timing.stop)
+        options = start_options(self.plan)
+        option, fast_failures, reason = 0, 0, "starting"
+        while True:
+            tier, args = options[option]
+            ended = await self._attempt(tier, args, pid_path, reason)
+            fast = not ended.was_ready or ended.uptime_s < self._timing.stable_after_s
+            fast_failures = fast_failures + 1 if fast else 1
+            following = options[option + 1][0] if option + 1 < len(options) else None
+            step = next_step(ended, option=option, options=len(options), fast_failures=fast_failures, tier=tier,
+                             next_tier=following, timing=self._timing, backoff=self._backoff)
+            if step.action == "fail":
+                self._set("failed", step.reason, last_error=step.reason)
+                return
+            reason = step.reason
+            if step.action == "fallback":
+                option += 1
+                fast_failures = 0
+            else:
+                self._set("starting", reason, restarts=self._snapshot.restarts + 1, last_error=ended.message)
+                await self._sleep(step.delay_s)
+
+    async def _attempt(self, tier: str | None, args: Sequence[str], pid_path: Path, reason: str) -> Ended:
+        """Run one engine process until it ends or must be restarted; it is stopped on return."""
+        self._api_key = self._key_factory()
+        self._facts = _AttemptFacts()
+        argv = self.plan.argv(self._api_key, args)
+        env = {**self.plan.environment(self._base_env), **dict(self.plan.env)}
+        log_path = procs.rotate_logs(self._paths.log_dir, self.plan.engine_id)
+        started = self._clock()
+        self._set("starting", reason, tier=tier, argv=tuple(self.adapter.mask_argv(argv)), phase="launching",
+                  kv_cache_tokens=None, kv_cache_gib=None, max_concurrency=None, context=ContextNumbers(),
+                  log_path=str(log_path), pid=None)
+        try:
+            self._process = procs.spawn(argv, env=env, log_path=log_path, pid_path=pid_path,
+                                        on_line=self.observe_line)
+        except OSError as exc:
+            return Ended("unstartable", f"Could not start {argv[0]}: {exc}. Check that the engine is installed.",
+                         0.0, False)
+        self._update(pid=self._process.pid)
+        ended = await self._until_ready(self._process, started)
+        if ended is None:
+            await self._became_ready()
+            ended = await self._serve(self._process, started)
+        await self._stop_process()
+        return ended
+
+    async def _stop_process(self) -> None:
+        if self._process is not None:
+            await self._process.stop(self._timing.stop, self._gpu_released)
+            self._process = None
+
+    # --- log facts -----------------------------------------------------------------------
+
+    def observe_line(self, line: str) -> None:
+        """One line of the engine's output (stdout or stderr): facts go into the snapshot."""
+        fact = self.adapter.parse_line(line)
+        if fact is not None:
+            self._apply(fact)
+
+    def _apply(self, fact: LogFact) -> None:
+        snap = self._snapshot
+        if isinstance(fact, PhaseReached) and snap.state == "starting" and fact.phase != snap.phase:
+            self._set("starting", fact.phase, phase=fact.phase)
+        elif isinstance(fact, KvCacheSize):
+            concurrency = fact.concurrency.times if fact.concurrency else snap.max_concurrency
+            gib = round(fact.mib / 1024, 3) if fact.mib is not None else snap.kv_cache_gib
+            self._update(kv_cache_tokens=fact.tokens, max_concurrency=concurrency, kv_cache_gib=gib,
+                         context=dataclasses.replace(snap.context, physical=fact.tokens))
+        elif isinstance(fact, MaxConcurrency):
+            self._update(max_concurrency=fact.times)
+        elif isinstance(fact, KvCacheMemory):
+            self._update(kv_cache_gib=fact.gib)
+        elif isinstance(fact, (MaxModelLen, ContextSize)):
+            tokens = fact.tokens if isinstance(fact, MaxModelLen) else fact.n_ctx
+            self._update(context=dataclasses.replace(snap.context, requested=tokens))
+        elif isinstance(fact, Slots):
+            self._update(max_concurrency=float(fact.n_slots))
+        else:
+            self._note_failure(fact)
+
+    def _note_failure(self, fact: LogFact) -> None:
+        if isinstance(fact, ContextTooLong):
+            self._facts.too_long = fact
+        elif isinstance(fact, OutOfMemory):
+            self._facts.oom = self._facts.oom or fact.message
+
+    # --- readiness -----------------------------------------------------------------------
+
+    async def _until_ready(self, process: procs.EngineProcess, started: float) -> Ended | None:
+        deadline = started + self._timing.ready_timeout_s
+        while True:
+            if process.returncode is not None or await self._exited_within(process, self._timing.poll_s):
+                return await self._ended_by_exit(process, started, was_ready=False)
+            if await self._probe():
+                return None
+            if self._clock() >= deadline:
+                return Ended("timeout", f"not ready after {self._timing.ready_timeout_s:.0f} s",
+                             self._clock() - started, False)
+
+    async def _exited_within(self, process: procs.EngineProcess, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(process.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._api_key}"}
+
+    def _url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.plan.port}{path}"
+
+    async def _get_json(self, path: str) -> Any:
+        response = await self._http.get(self._url(path), headers=self._headers(),
+                                        timeout=self._timing.request_timeout_s)
+        response.raise_for_status()
+        return response.json()
+
+    async def _probe(self) -> bool:
+        """`/v1/models` names our model and a few tokens of a real completion come back."""
+        try:
+            models = await self._get_json("/v1/models")
+            cards = [card for card in models.get("data", []) if card.get("id") == self.plan.served_name]
+            if not cards:
+                return False
+            response = await self._http.post(
+                self._url("/v1/completions"), headers=self._headers(), timeout=self._timing.probe_timeout_s,
+                json={"model": self.plan.served_name, "prompt": PROBE_PROMPT,
+                      "max_tokens": self._timing.probe_max_tokens, "temperature": 0})
+            response.raise_for_status()
+            if not response.json().get("choices"):
+                return False
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False
+        declared = cards[0].get("max_model_len")
+        if isinstance(declared, int):
+            self._update(context=dataclasses.replace(self._snapshot.context, declared=declared))
+        return True
+
+    async def _became_ready(self) -> None:
+        await self._read_llamacpp_context()
+        self._run_id = uuid.uuid4().hex[:12]
+        self._last_progress = self._clock()
+        self._set("ready", "answered /v1/models and a test completion", phase="ready")
+
+    async def _read_llamacpp_context(self) -> None:
+        """llama.cpp: context per request and slot count from /props and /slots.
+
+        Current builds do not print the KV size at default verbosity. Without it, the KV tokens
+        are taken as the largest slot context: exact under the default unified KV (all slots share
+        one buffer of that size); with a split KV (`--parallel N`, no `--kv-unified`) it is one
+        slot's share, and `max_concurrency` (the slots) says how many such shares there are.
+        """
+        if "props" not in self.adapter.ENDPOINTS:
+            return
+        try:
+            props = await self._get_json("/props")
+            slots = await self._get_json("/slots")
+            per_slot = props.get("default_generation_settings", {}).get("n_ctx")
+            total_slots = props.get("total_slots")
+            largest = max((slot.get("n_ctx", 0) for slot in slots), default=0)
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
+            log.warning("engine %s: could not read /props or /slots: %s", self.plan.engine_id, exc)
+            return
+        snap = self._snapshot
+        per_request = largest if isinstance(largest, int) and largest > 0 else per_slot
+        kv_tokens = snap.kv_cache_tokens or (per_request if isinstance(per_request, int) else None)
+        self._update(
+            kv_cache_tokens=kv_tokens,
+            max_concurrency=float(total_slots) if isinstance(total_slots, int) else snap.max_concurrency,
+            context=dataclasses.replace(snap.context, declared=per_slot if isinstance(per_slot, int) else None,
+                                        physical=per_request if isinstance(per_request, int) else None))
+
+    # --- serving -------------------------------------------------------------------------
+
+    async def _serve(self, process: procs.EngineProcess, started: float) -> Ended:
+        failures = 0
+        while True:
+            if await self._exited_within(process, self._timing.health_interval_s):
+                return await self._ended_by_exit(process, started, was_ready=True)
+            uptime = self._clock() - started
+            stalled = self.stall_reason()
+            if stalled is not None:
+                return Ended("unhealthy", stalled, uptime, True)
+            problem = await self._health_problem()
+            if problem is None:
+                failures = 0
+                if self._snapshot.state == "degraded":
+                    self._set("ready", "health check answered again")
+                continue
+            failures += 1
+            if failures >= self._timing.health_failures:
+                return Ended("unhealthy", f"stopped answering /health ({problem}, {failures} checks in a row)",
+                             uptime, True)
+            if self._snapshot.state == "ready":
+                self._set("degraded", f"health check failed: {problem}")
+
+    def stall_reason(self) -> str | None:
+        """Why the engine counts as stalled (requests in flight, no token for `stall_s`), or None."""
+        idle = self._clock() - self._last_progress
+        if self._in_flight and idle > self._timing.stall_s:
+            return f"no token for {idle:.0f} s with {self._in_flight} request(s) in flight"
+        return None
+
+    async def _health_problem(self) -> str | None:
+        try:
+            response = await self._http.get(self._url("/health"), timeout=self._timing.request_timeout_s)
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+        return None if response.status_code == 200 else f"HTTP {response.status_code}"
+
+    async def _ended_by_exit(self, process: procs.EngineProcess, started: float, *, was_ready: bool) -> Ended:
+        status = await process.wait()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(process.output_closed(), self._timing.output_settle_s)
+        uptime = self._clock() - started
+        facts = self._facts
+        if facts.too_long is not None:
+            return Ended("context", context_refusal(facts.too_long), uptime, was_ready)
+        if facts.oom is not None:
+            return Ended("oom", facts.oom, uptime, was_ready)
+        lines = [line for line in process.tail if line.strip()][-ERROR_LINES_SHOWN:]
+        detail = "\n".join(lines) if lines else "(no output)"
+        return Ended("crashed", f"the engine exited with status {status}; last lines:\n{detail}", uptime, was_ready)
+
+    # --- state -----------------------------------------------------------------------------
+
+    def _update(self, **changes: Any) -> None:
+        self._snapshot = dataclasses.replace(self._snapshot, **changes)
+
+    def _set(self, state: NodeState, reason: str, **changes: Any) -> None:
+        self._snapshot = dataclasses.replace(self._snapshot, state=state, **changes)
+        log.info("engine %s: %s (%s)", self.plan.engine_id, state, reason.splitlines()[0] if reason else "")
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        if self._on_event is not None:
+            self._on_event(self._snapshot, reason)
