@@ -161,6 +161,7 @@ class _AttemptFacts:
 
     oom: str | None = None
     too_long: ContextTooLong | None = None
+    slots: Slots | None = None
 
 
 class EngineSupervisor:
@@ -348,6 +349,7 @@ class EngineSupervisor:
             tokens = fact.tokens if isinstance(fact, MaxModelLen) else fact.n_ctx
             self._update(context=dataclasses.replace(snap.context, requested=tokens))
         elif isinstance(fact, Slots):
+            self._facts.slots = fact
             self._update(max_concurrency=float(fact.n_slots))
         else:
             self._note_failure(fact)
@@ -421,9 +423,9 @@ class EngineSupervisor:
         """llama.cpp: context per request and slot count from /props and /slots.
 
         Current builds do not print the KV size at default verbosity. Without it, the KV tokens
-        are taken as the largest slot context: exact under the default unified KV (all slots share
-        one buffer of that size); with a split KV (`--parallel N`, no `--kv-unified`) it is one
-        slot's share, and `max_concurrency` (the slots) says how many such shares there are.
+        come from the slots: under a unified KV (the default; the log says `kv_unified = 'true'`)
+        all slots share one buffer of the largest slot's context; with a split KV each slot owns
+        its share, so the budget is their sum.
         """
         if "props" not in self.adapter.ENDPOINTS:
             return
@@ -438,7 +440,9 @@ class EngineSupervisor:
             return
         snap = self._snapshot
         per_request = largest if isinstance(largest, int) and largest > 0 else per_slot
-        kv_tokens = snap.kv_cache_tokens or (per_request if isinstance(per_request, int) else None)
+        split = self._facts.slots is not None and self._facts.slots.kv_unified is False
+        budget = sum(slot.get("n_ctx", 0) for slot in slots) if split else per_request
+        kv_tokens = snap.kv_cache_tokens or (budget if isinstance(budget, int) and budget > 0 else None)
         self._update(
             kv_cache_tokens=kv_tokens,
             max_concurrency=float(total_slots) if isinstance(total_slots, int) else snap.max_concurrency,

@@ -98,6 +98,7 @@ class ContextSize:
 class Slots:
     n_slots: int
     n_ctx_slot: int
+    kv_unified: bool | None = None  # one KV buffer shared by all slots (llama-server's default)
 
 
 @dataclass(frozen=True)

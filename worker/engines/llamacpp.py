@@ -58,7 +58,7 @@ _PREFIX = re.compile(r"^(?:\d+\.\d+\.\d+\.\d+ )?(?:[IWED] )?")
 _BUILD = re.compile(r"^build: (\d+) \((\w+)\)")
 _LOADING = re.compile(r"loading model '")
 _N_CTX = re.compile(r"llama_context: n_ctx\s+=\s+(\d+)")
-_SLOTS = re.compile(r"n_slots = (\d+), n_ctx_slot = (\d+)")
+_SLOTS = re.compile(r"n_slots = (\d+), n_ctx_slot = (\d+)(?:, kv_unified = '(true|false)')?")
 _KV_SIZE = re.compile(r"size =\s*([\d.]+) MiB \(\s*(\d+) cells")
 _MODEL_LOADED = re.compile(r"llama_server: model loaded|main: model loaded")
 _LISTENING = re.compile(r"listening on (\S+)")
@@ -117,7 +117,8 @@ def parse_line(line: str) -> LogFact | None:
     if match := _N_CTX.search(message):
         return ContextSize(int(match.group(1)))
     if match := _SLOTS.search(message):
-        return Slots(int(match.group(1)), int(match.group(2)))
+        unified = None if match.group(3) is None else match.group(3) == "true"
+        return Slots(int(match.group(1)), int(match.group(2)), unified)
     if match := _LISTENING.search(message):
         return Listening(match.group(1))
     if match := _BUILD.search(message):

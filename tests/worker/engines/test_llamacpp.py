@@ -26,7 +26,7 @@ def test_startup_log():
         PhaseReached("loading"),
         ContextSize(2048),
         KvCacheSize(tokens=2048, mib=2.0),
-        Slots(n_slots=4, n_ctx_slot=512),
+        Slots(n_slots=4, n_ctx_slot=512, kv_unified=True),
         PhaseReached("warming"),
         Listening("http://127.0.0.1:18788"),
     ]
@@ -40,6 +40,8 @@ def test_startup_log():
         ("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9120.00 MiB on device 0: cudaMalloc failed: out of memory", OutOfMemory("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9120.00 MiB on device 0: cudaMalloc failed: out of memory")),
         ("E srv    load_model: exiting due to model loading error", StartFailed("srv    load_model: exiting due to model loading error")),
         ("srv  llama_server: start the HTTP server before loading the model to be able to serve /health requests", None),
+        ("srv    load_model: initializing, n_slots = 4, n_ctx_slot = 1024, kv_unified = 'false'", Slots(4, 1024, False)),
+        ("srv    load_model: initializing, n_slots = 2, n_ctx_slot = 4096", Slots(2, 4096, None)),
     ],
 )
 def test_single_lines(line, fact):
