@@ -15,12 +15,13 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
+import psutil
 
 from worker import __version__, protocol
 from worker.autopause import AutoPauser
@@ -28,17 +29,20 @@ from worker.config import Paths, Settings, State, save_state
 from worker.events import (
     ConnectionSnapshot,
     DownloadProgress,
+    EarningsSnapshot,
     EngineSnapshot,
     GpuSnapshot,
     NodeSnapshot,
     NodeState,
     Problem,
+    ThroughputSnapshot,
 )
 from worker.hardware import GpuSample, Machine, NvmlError, NvmlSource, gpu_processes, sample_gpus
 from worker.ledger import EnergyIntegrator, Ledger
 from worker.link import Backoff, Link
-from worker.measure import RunMeter, aggregate
-from worker.plan import Plan, Refusal, plan
+from worker.measure import RunMeter, aggregate, cross_check, roofline
+from worker.metrics import EngineMetrics, MetricsUnavailable, scrape
+from worker.plan import DEFAULT_FIRST_PORT, Plan, Refusal, plan
 from worker.procs import reap_leftovers
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError
@@ -53,6 +57,7 @@ DRAIN_S = 30.0
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 TICK_S = 1.0
 Subscriber = Callable[[NodeSnapshot], None]
+T = TypeVar("T")
 
 
 def summarise(states: list[NodeState]) -> NodeState:
@@ -95,6 +100,7 @@ class Node(RelayHooks):
         nvml: NvmlSource | None = None,
         backoff: Backoff | None = None,
         openai_port: int | None = None,
+        first_port: int = DEFAULT_FIRST_PORT,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -108,6 +114,7 @@ class Node(RelayHooks):
         self._nvml = nvml
         self._backoff = backoff
         self._openai_port = openai_port
+        self._first_port = first_port
         self._clock = clock
         self._monotonic = monotonic
 
@@ -123,6 +130,9 @@ class Node(RelayHooks):
         self._relay: Relay | None = None
         self._http: httpx.AsyncClient | None = None
         self._ledger: Ledger | None = None
+        self._ledger_guard = threading.Lock()  # held while the ledger is used, so it is never used closed
+        self._ledger_writes: set[asyncio.Future[Any]] = set()  # credits still being written
+        self._earnings: EarningsSnapshot | None = None  # read off the loop, so snapshots never touch SQLite
         self._local: Any = None  # worker.localnet.LocalCoordinator when --coordinator local
         self._energy = EnergyIntegrator()
 
@@ -133,6 +143,8 @@ class Node(RelayHooks):
         self._supervisors: dict[str, EngineSupervisor] = {}
         self._meters: dict[str, RunMeter] = {}
         self._request_engine: dict[str, str] = {}
+        self._engine_metrics: dict[str, EngineMetrics] = {}  # latest /metrics per engine
+        self._metrics_at_ready: dict[str, EngineMetrics] = {}  # the run's baseline, for cross-checks
         self._generations: set[str] = set()  # request ids that generate tokens: the only ones metered
         self._pause: _Pause | None = None
         self._draining = False
@@ -177,14 +189,13 @@ class Node(RelayHooks):
         self._on_loop(lambda: self._stopping.set() if self._stopping else None)
 
     def history(self, series: str, since: float) -> list[tuple[float, float]]:
-        return self._ledger.series(series, since) if self._ledger else []
+        return self._with_ledger(lambda ledger: ledger.series(series, since)) or []
 
     def log_files(self) -> dict[str, Path]:
         files = {"app": self.paths.log_dir / "gpu-provider.log"}
-        for engine_id, sup in self._supervisors.items():
-            snap = sup.snapshot()
-            if snap.log_path:
-                files[f"engine {engine_id}"] = Path(snap.log_path)
+        for engine in self.snapshot().engines:  # the snapshot, not the live dict: any thread may ask
+            if engine.log_path:
+                files[f"engine {engine.engine_id}"] = Path(engine.log_path)
         return files
 
     def _on_loop(self, action: Callable[[], Any]) -> None:
@@ -229,6 +240,7 @@ class Node(RelayHooks):
             log.warning("stopped %d engine process(es) a previous run left behind: %s", len(reaped), reaped)
         self.machine = await asyncio.to_thread(self._detect)
         self._ledger = await asyncio.to_thread(Ledger, self.paths.ledger_file)
+        await asyncio.to_thread(self._read_earnings)
         self._http = engine_http_client()
         self._relay = Relay(self._send, self._ready_targets, self._gate, http=self._http, hooks=self)
         try:
@@ -262,7 +274,7 @@ class Node(RelayHooks):
         log.info("stopping: draining requests and stopping engines")
         if self._relay and self._relay.in_flight:
             self._draining = True
-            await self._relay.drain(min(DRAIN_S, 10.0))
+            await self._relay.drain(min(DRAIN_S, 10.0), "draining")
         await self._stop_engines()
         if self._link:
             await self._link.close()
@@ -271,12 +283,12 @@ class Node(RelayHooks):
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._stop_engines()  # any that an assign or resume cut short by the cancel had started
         if self._http:
             await self._http.aclose()
         self._publish()
-        if self._ledger:
-            ledger, self._ledger = self._ledger, None
-            await asyncio.to_thread(ledger.close)
+        await asyncio.gather(*self._ledger_writes, return_exceptions=True)
+        await asyncio.to_thread(self._close_ledger)
         self.paths.status_file.unlink(missing_ok=True)
 
     def _detect(self) -> Machine:
@@ -369,10 +381,13 @@ class Node(RelayHooks):
     async def _assign(self, assign: protocol.Assign) -> None:
         assert self._engines_lock is not None and self.machine is not None
         async with self._engines_lock:
+            if assign == self._assignment and self._supervisors and self._node_state() != "failed":
+                await self._send_status(force=True)  # re-sent after a reconnect: keep serving, no reload
+                return
             await self._drain_and_stop()
             self._assignment = assign
             self._problem = None
-            result = plan(self.machine, assign, self.settings)
+            result = plan(self.machine, assign, self.settings, first_port=self._first_port)
             if isinstance(result, Refusal):
                 self._plan = None
                 self._problem = Problem("Assignment refused", result.reason, "none")
@@ -414,7 +429,13 @@ class Node(RelayHooks):
         finally:
             self._provisioning = False
         for engine_plan in engine_plans:
-            sup = EngineSupervisor(engine_plan, paths=self.paths, on_event=self._on_engine_change, http=self._http)
+            sup = EngineSupervisor(
+                engine_plan,
+                paths=self.paths,
+                on_event=self._on_engine_change,
+                http=self._http,
+                gpu_released=self._gpu_released if self._nvml is not None else None,
+            )
             self._supervisors[engine_plan.engine_id] = sup
             await sup.start()
         self._publish()
@@ -451,7 +472,7 @@ class Node(RelayHooks):
         self._draining = True
         try:
             if self._relay:
-                await self._relay.drain(DRAIN_S)
+                await self._relay.drain(DRAIN_S, "paused" if self._pause else "draining")
             await self._stop_engines()
         finally:
             self._draining = False
@@ -469,15 +490,22 @@ class Node(RelayHooks):
             run_id = sup.run_id
             meter = self._meters.get(snap.engine_id)
             if meter is None or meter.run_id != run_id:
+                self._forget_run(snap.engine_id)
                 self._meters[snap.engine_id] = RunMeter(run_id, clock=self._monotonic)
                 self._notice(f"Serving {self._plan.model_name if self._plan else 'the model'} on {snap.engine_id}")
         elif snap.state in ("starting", "failed", "stopped"):
-            self._meters.pop(snap.engine_id, None)
+            self._forget_run(snap.engine_id)
             if snap.state == "failed":
                 self._notice(f"Engine {snap.engine_id} failed: {snap.last_error}")
         self._publish()
         if self._loop:
             self._spawn(self._send_status())
+
+    def _forget_run(self, engine_id: str) -> None:
+        """A run's figures end with it: nothing of an old run leaks into the next."""
+        self._meters.pop(engine_id, None)
+        self._engine_metrics.pop(engine_id, None)
+        self._metrics_at_ready.pop(engine_id, None)
 
     # --- pause ----------------------------------------------------------------------------
 
@@ -514,12 +542,27 @@ class Node(RelayHooks):
         return AutoPauser(self, lambda: self.settings, self._foreign_gpu_processes)
 
     def _foreign_gpu_processes(self) -> list[Any]:
+        """GPU users that are not our engines (vLLM's workers are the engine's children)."""
         if self._nvml is None:
             return []
-        try:
-            return list(gpu_processes(self._nvml))
-        except NvmlError:
-            return []
+        own = self._own_pids()
+        return [p for p in gpu_processes(self._nvml) if p.pid not in own]
+
+    def _own_pids(self) -> set[int]:
+        own = {os.getpid()}
+        for snap in (s.snapshot() for s in list(self._supervisors.values())):
+            if snap.pid is None:
+                continue
+            own.add(snap.pid)
+            try:
+                own.update(child.pid for child in psutil.Process(snap.pid).children(recursive=True))
+            except psutil.Error:
+                pass
+        return own
+
+    def _gpu_released(self, pids: Collection[int]) -> bool:
+        """True once none of `pids` holds GPU memory (called in a thread while an engine stops)."""
+        return self._nvml is None or not any(p.pid in pids for p in gpu_processes(self._nvml))
 
     # --- relay hooks ----------------------------------------------------------------------
 
@@ -568,20 +611,20 @@ class Node(RelayHooks):
         meter = self._meters.get(engine_id)
         if meter:
             meter.request_finished(request_id, t, usage, ok)
-        if usage and self._ledger and self._plan:
+        if usage and self._plan and self._loop:
             price = self._welcome.price if self._welcome else protocol.Price()
             run_id = meter.run_id if meter else ""
-            self._spawn(
-                asyncio.to_thread(
-                    self._ledger.record_request,
-                    request_id,
-                    run_id,
-                    self._plan.model_name,
-                    usage.prompt_tokens,
-                    usage.completion_tokens,
-                    price,
-                )
-            )
+            model = self._plan.model_name
+
+            def credit() -> None:
+                self._with_ledger(lambda ledger: ledger.record_request(
+                    request_id, run_id, model, usage.prompt_tokens, usage.completion_tokens, price))
+                self._read_earnings()
+
+            # in the executor at once, and awaited (never cancelled) before the ledger closes
+            write = self._loop.run_in_executor(None, credit)
+            self._ledger_writes.add(write)
+            write.add_done_callback(self._ledger_writes.discard)
 
     # --- status and snapshots ----------------------------------------------------------------
 
@@ -677,29 +720,105 @@ class Node(RelayHooks):
                 samples = []
             self._gpu_samples = {s.index: s for s in samples}
             joules = sum(self._energy.add(s.index, now, s.power_w, s.energy_mj) for s in samples)
-            if joules and self._ledger:
+            if joules:
+                price, currency = self.settings.electricity_price_per_kwh, self.settings.currency
                 await asyncio.to_thread(
-                    self._ledger.record_energy, joules, now, self.settings.electricity_price_per_kwh, self.settings.currency
+                    self._with_ledger, lambda ledger: ledger.record_energy(joules, now, price, currency)
                 )
-        if self._ledger:
-            figures = aggregate(self._meters.values(), clock=self._monotonic)
-            rows = [("tokens_per_s", figures.tokens_per_s)]
-            if self._gpu_samples:
-                utils = [s.util_pct for s in self._gpu_samples.values() if s.util_pct is not None]
-                powers = [s.power_w for s in self._gpu_samples.values() if s.power_w is not None]
-                rows += [("gpu_util", sum(utils) / len(utils) if utils else None), ("power_w", sum(powers) if powers else None)]
-            await asyncio.to_thread(self._record_samples, rows, now)
+        await self._scrape_engines()
+        figures = aggregate(self._meters.values(), clock=self._monotonic)
+        rows = [("tokens_per_s", figures.tokens_per_s), ("kv_usage", self._mean_kv_usage())]
+        if self._gpu_samples:
+            utils = [s.util_pct for s in self._gpu_samples.values() if s.util_pct is not None]
+            powers = [s.power_w for s in self._gpu_samples.values() if s.power_w is not None]
+            rows += [("gpu_util", sum(utils) / len(utils) if utils else None), ("power_w", sum(powers) if powers else None)]
+        await asyncio.to_thread(self._record_samples, rows, now)
+
+    async def _scrape_engines(self) -> None:
+        """Each ready engine's /metrics: KV usage and queues for the dashboard, counters to
+        cross-check what the relay counted."""
+        assert self._http is not None
+        for target in self._ready_targets():
+            sup = self._supervisors.get(target.engine_id)
+            if sup is None:
+                continue
+            try:
+                metrics = await scrape(self._http, f"{target.base_url}/metrics", target.api_key, sup.plan.engine)
+            except (MetricsUnavailable, httpx.HTTPError) as exc:
+                log.debug("engine %s: /metrics unavailable: %s", target.engine_id, exc)
+                continue
+            self._engine_metrics[target.engine_id] = metrics
+            baseline = self._metrics_at_ready.setdefault(target.engine_id, metrics)
+            meter = self._meters.get(target.engine_id)
+            if meter is not None and meter.run_tokens:
+                check = cross_check(meter.run_tokens, baseline, metrics)
+                if not check.agrees():
+                    log.warning("engine %s: relay counted %d tokens this run, the engine %s",
+                                target.engine_id, meter.run_tokens, check)
+
+    def _mean_kv_usage(self) -> float | None:
+        usage = [m.kv_usage for m in self._engine_metrics.values() if m.kv_usage is not None]
+        return 100.0 * sum(usage) / len(usage) if usage else None
+
+    def _engine_views(self) -> tuple[EngineSnapshot, ...]:
+        """The supervisors' snapshots with the latest /metrics figures laid over them."""
+        views = []
+        for sup in self._supervisors.values():
+            snap = sup.snapshot()
+            metrics = self._engine_metrics.get(snap.engine_id)
+            if metrics is not None and snap.state in ("ready", "degraded"):
+                snap = replace(
+                    snap,
+                    kv_usage_pct=100.0 * metrics.kv_usage if metrics.kv_usage is not None else None,
+                    requests_running=metrics.requests_running,
+                    requests_waiting=metrics.requests_waiting,
+                )
+            views.append(snap)
+        return tuple(views)
+
+    def _throughput(self) -> ThroughputSnapshot:
+        """The node's figures; with one engine, its roofline share too (per engine by nature)."""
+        if len(self._meters) != 1 or self.machine is None or self._plan is None:
+            return aggregate(self._meters.values(), clock=self._monotonic)
+        engine_id, meter = next(iter(self._meters.items()))
+        sup = self._supervisors.get(engine_id)
+        if sup is None:
+            return meter.snapshot(self._monotonic())
+        bandwidths = [g.memory_bandwidth_gbps for g in self.machine.gpus
+                      if g.index in sup.plan.gpu_indices and g.memory_bandwidth_gbps]
+        baseline, latest = self._metrics_at_ready.get(engine_id), self._engine_metrics.get(engine_id)
+        spec = latest.since(baseline) if latest is not None and baseline is not None else None
+        line = roofline(meter.per_request_tokens_per_s(), bandwidths, self._plan.engine_model.weights_mib * 2**20, spec)
+        return meter.snapshot(self._monotonic(), line)
 
     def _record_samples(self, rows: list[tuple[str, float | None]], now: float) -> None:
-        assert self._ledger is not None
-        self._ledger.record_samples({name: value for name, value in rows if value is not None}, now)
+        values = {name: value for name, value in rows if value is not None}
+        self._with_ledger(lambda ledger: ledger.record_samples(values, now))
+        self._read_earnings()
+
+    # --- the ledger (called in a thread) ------------------------------------------------------
+
+    def _with_ledger(self, use: Callable[[Ledger], T]) -> T | None:
+        """`use(ledger)` while the ledger is open; None (and nothing done) once it is closed."""
+        with self._ledger_guard:
+            return use(self._ledger) if self._ledger is not None else None
+
+    def _read_earnings(self) -> None:
+        currency = self.settings.currency
+        self._earnings = self._with_ledger(lambda ledger: ledger.summary(currency=currency)) or self._earnings
+
+    def _close_ledger(self) -> None:
+        with self._ledger_guard:
+            ledger, self._ledger = self._ledger, None
+        if ledger is not None:
+            ledger.close()
 
     def _notice(self, text: str) -> None:
         self._notices = (self._notices + [text])[-10:]
 
     def _build_snapshot(self) -> NodeSnapshot:
         machine = self.machine
-        engines = tuple(s.snapshot() for s in self._supervisors.values())
+        engines = self._engine_views()
         lent = set(self.settings.gpus_to_lend) if self.settings.gpus_to_lend is not None else None
         gpus = tuple(
             GpuSnapshot(
@@ -716,7 +835,7 @@ class Node(RelayHooks):
             )
             for g in (machine.gpus if machine else ())
         )
-        earnings = self._ledger.summary(currency=self.settings.currency) if self._ledger else None
+        earnings = self._earnings
         kwargs: dict[str, Any] = {}
         if earnings is not None:
             kwargs["earnings"] = earnings
@@ -735,7 +854,7 @@ class Node(RelayHooks):
             groups=tuple(tuple(g.gpu_indices) for g in (machine.groups if machine else ())),
             effective_vram_mib=machine.effective_vram_mib if machine else 0,
             engines=engines,
-            throughput=aggregate(self._meters.values(), clock=self._monotonic),
+            throughput=self._throughput(),
             connection=self._connection,
             downloads=tuple(self._downloads.values()),
             in_flight=self._relay.in_flight if self._relay else 0,
