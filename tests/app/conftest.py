@@ -28,7 +28,7 @@ def memory_keyring(monkeypatch):
     """The in-memory backend, installed for one test; GPU_PROVIDER_TOKEN cleared around it."""
     import keyring
 
-    from tests.app.memory_keyring import MemoryKeyring
+    from tests.support.memory_keyring import MemoryKeyring
 
     previous = keyring.get_keyring()
     backend = MemoryKeyring()

@@ -13,28 +13,8 @@ import keyring.backends.null
 import keyring.errors
 import pytest
 
+from tests.support.memory_keyring import MemoryKeyring
 from worker import secrets
-
-
-class MemoryKeyring(keyring.backend.KeyringBackend):
-    """A secure-looking keyring that keeps passwords in memory."""
-
-    priority = 1  # type: ignore[assignment]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.store: dict[tuple[str, str], str] = {}
-
-    def get_password(self, service: str, username: str) -> str | None:
-        return self.store.get((service, username))
-
-    def set_password(self, service: str, username: str, password: str) -> None:
-        self.store[(service, username)] = password
-
-    def delete_password(self, service: str, username: str) -> None:
-        if (service, username) not in self.store:
-            raise keyring.errors.PasswordDeleteError("not there")
-        del self.store[(service, username)]
 
 
 class PlaintextKeyring(MemoryKeyring):
@@ -63,7 +43,7 @@ def use(backend: keyring.backend.KeyringBackend) -> None:
 def test_token_round_trip_in_the_keyring(memory: MemoryKeyring) -> None:
     assert secrets.get_token() is None
     secrets.set_token("  tok-1  ")
-    assert memory.store[(secrets.SERVICE, secrets.ACCOUNT)] == "tok-1"
+    assert memory.passwords[(secrets.SERVICE, secrets.ACCOUNT)] == "tok-1"
     assert secrets.get_token() == "tok-1"
     secrets.clear_token()
     assert secrets.get_token() is None
@@ -95,7 +75,7 @@ def test_insecure_backends_are_named_and_never_get_the_token(memory: MemoryKeyri
     with pytest.raises(secrets.InsecureKeyring, match=secrets.ENV_VAR):
         secrets.set_token("tok-2")
     if isinstance(backend, PlaintextKeyring):
-        assert backend.store == {}
+        assert backend.passwords == {}
 
 
 def test_a_memory_keyring_is_secure(memory: MemoryKeyring) -> None:
