@@ -49,7 +49,7 @@ from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
 from worker.supervise import EngineSupervisor
-from worker.update import NodeHooks, Updater, mark_hello_reached
+from worker.update import NodeHooks, Updater, UpdateStatus, mark_hello_reached
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +261,7 @@ class Node(RelayHooks):
                 self.settings,
                 NodeHooks(self._in_flight, self._stop_serving, self._resume_serving, self._exit_for_update),
                 on_progress=self._on_download,
+                on_status=self._on_update_status,
             )
             self._spawn(self._updater.run_feed_checks())
             self._spawn(self._ticker())
@@ -478,10 +479,9 @@ class Node(RelayHooks):
             self._draining = False
 
     async def _stop_engines(self) -> None:
-        sups = list(self._supervisors.values())
-        await asyncio.gather(*(s.stop() for s in sups), return_exceptions=True)
+        sups = list(self._supervisors.items())
+        await asyncio.gather(*(s.stop() for _, s in sups), return_exceptions=True)
         self._supervisors.clear()
-        self._meters.clear()
         self._publish()
 
     def _on_engine_change(self, snap: EngineSnapshot, reason: str) -> None:
@@ -522,14 +522,14 @@ class Node(RelayHooks):
 
     async def _do_resume(self) -> None:
         assert self._engines_lock is not None
-        if self._pause is None:
-            return
-        self._pause = None
-        self.state.paused, self.state.pause_until = False, None
-        await asyncio.to_thread(save_state, self.paths, self.state)
-        log.info("resumed")
-        await self._send_status(force=True)
-        async with self._engines_lock:
+        async with self._engines_lock:  # after a pause still stopping the engines, or "ready" would be a lie
+            if self._pause is None:
+                return
+            self._pause = None
+            self.state.paused, self.state.pause_until = False, None
+            await asyncio.to_thread(save_state, self.paths, self.state)
+            log.info("resumed")
+            await self._send_status(force=True)
             if self._plan and not self._supervisors:
                 await self._start_engines()
 
@@ -901,6 +901,14 @@ class Node(RelayHooks):
         if self._updater:
             updater = self._updater
             self._on_loop(lambda: self._spawn(updater.install_now()))
+
+    def _on_update_status(self, status: UpdateStatus) -> None:
+        """Installed and rolled-back updates become notifications; refusals stay in the log."""
+        if status.phase == "installed":
+            self._notice(f"Update {status.version} installed")
+        elif status.phase == "rolled_back":
+            self._notice(f"Update {status.version} did not start and was rolled back: {status.message}")
+        self._publish()
 
     def _in_flight(self) -> int:
         return self._relay.in_flight if self._relay else 0
