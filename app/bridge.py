@@ -38,6 +38,8 @@ class NodeLike(Protocol):
 
     def apply_settings(self, settings: Settings) -> None: ...
 
+    def token_changed(self) -> None: ...
+
     def history(self, series: str, since: float) -> list[tuple[float, float]]: ...
 
     def log_files(self) -> dict[str, Path]: ...
@@ -87,6 +89,10 @@ class Bridge(QObject):
 
     def apply_settings(self, settings: Settings) -> None:
         self.node.apply_settings(settings)
+
+    def token_changed(self) -> None:
+        """A token was stored: the link stops waiting in `signed_out` and connects now."""
+        self.node.token_changed()
 
     def history(
         self, series: str, window_s: float, clock: Callable[[], float] = time.time

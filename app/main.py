@@ -129,7 +129,9 @@ class DesktopApp(QObject):
         self.logs.raise_()
 
     def open_sign_in(self) -> None:
-        SignInDialog(self.bridge.latest, self.dashboard).open()
+        dialog = SignInDialog(self.bridge.latest, self.dashboard)
+        dialog.accepted.connect(self.bridge.token_changed)
+        dialog.open()
 
 
 def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings, args: argparse.Namespace) -> int:

@@ -115,6 +115,7 @@ class Node(RelayHooks):
         self._backoff = backoff
         self._openai_port = openai_port
         self._first_port = first_port
+        self._first_port = first_port
         self._clock = clock
         self._monotonic = monotonic
 
@@ -184,6 +185,10 @@ class Node(RelayHooks):
 
     def apply_settings(self, settings: Settings) -> None:
         self._on_loop(lambda: self._set_settings(settings))
+
+    def token_changed(self) -> None:
+        """The user signed in (again): connect now instead of waiting in `signed_out`."""
+        self._on_loop(lambda: self._link.resume_after_sign_in() if self._link else None)
 
     def shutdown(self) -> None:
         self._on_loop(lambda: self._stopping.set() if self._stopping else None)

@@ -50,6 +50,9 @@ class ScriptedNode:
     def apply_settings(self, settings: Settings) -> None:
         self.commands.append(("apply_settings", settings))
 
+    def token_changed(self) -> None:
+        self.commands.append(("token_changed", None))
+
     def history(self, series: str, since: float) -> list[tuple[float, float]]:
         self.history_calls.append((series, since))
         return self.history_points.get(series, [])

@@ -99,3 +99,12 @@ def test_a_core_that_dies_does_not_take_the_window_down(qapp, tmp_path, memory_k
     args = parse_args(["--data-dir", str(tmp_path), "--quit-after", "0.3", "--minimized"])
     assert run_app(qapp, node, Paths.under(tmp_path).ensure(), Settings(), args) == 0
     assert ("shutdown", None) in node.commands
+
+
+def test_signing_in_tells_the_node_to_connect_now(qtbot, tmp_path, node, memory_keyring):
+    app = desktop(qtbot, node, tmp_path, tray=False)
+    app.open_sign_in()
+    dialog = next(w for w in QApplication.topLevelWidgets() if w.windowTitle() == "Welcome to GPU Provider" and w.isVisible())
+    dialog.token.setText("gp_live_0123456789abcdef")
+    dialog.sign_in.click()
+    qtbot.waitUntil(lambda: ("token_changed", None) in node.commands, timeout=2000)
