@@ -101,12 +101,14 @@ class ReferenceCoordinator:
         assign: protocol.Assign | None = None,
         hello_timeout_s: float = 10.0,
         ping_interval: float | None = 20.0,
+        record: bool = True,
         close_timeout: float = 2.0,
     ) -> None:
         self.token = token  # None: any token (or none) is accepted
         self.assign = assign  # sent after welcome to every node that connects
         self.reject_with: int | None = None  # close every new connection at once with this code
         self.received: list[Any] = []  # every message from the node, parsed (Unknown included)
+        self._record = record  # False for long runs (local mode, benchmarks): only hellos are kept
         self.bad_frames: list[str] = []  # why frames from the node were refused
         self.handshake_headers: list[dict[str, str]] = []
         self.hellos: list[protocol.Hello] = []
@@ -316,6 +318,8 @@ class ReferenceCoordinator:
             return
         if isinstance(message, _RESPONSES):
             self._route(message)
+        if not self._record:
+            return
         async with self._arrived:
             self.received.append(message)
             self._arrived.notify_all()
@@ -584,7 +588,9 @@ class LocalCoordinator:
         return self
 
     async def _start_on(self, assign: protocol.Assign, openai_port: int) -> ReferenceCoordinator:
-        coordinator = ReferenceCoordinator(token=self._token, port=self._port, http_port=openai_port, assign=assign)
+        coordinator = ReferenceCoordinator(
+            token=self._token, port=self._port, http_port=openai_port, assign=assign, record=False
+        )
         try:
             return await coordinator.start()
         except OSError:

@@ -313,3 +313,19 @@ async def test_local_coordinator_falls_back_to_a_free_port_when_8090_is_taken(tm
     finally:
         await second.stop()
         await first.stop()
+
+
+async def test_a_coordinator_that_does_not_record_keeps_nothing_while_relaying(engine, http) -> None:
+    """Local mode runs for days: relayed chunks must not pile up in memory."""
+    async with ReferenceCoordinator(token=TOKEN, http_port=0, assign=ASSIGN, record=False) as reference:
+        mini = MiniNode(reference.url, engine, http)
+        task = asyncio.create_task(mini.link.run())
+        await reference.wait_for_connections(1)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        async with httpx.AsyncClient(trust_env=False) as client:
+            for _ in range(3):
+                response = await client.post(f"{reference.http_url}/chat/completions", json=body)
+                assert response.status_code == 200 and "[DONE]" in response.text
+        assert reference.received == reference.hellos  # one hello a connection; no chunks, no status
+        await mini.link.close()
+        await asyncio.wait_for(task, 5)
