@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -25,7 +26,7 @@ import psutil
 
 from worker import __version__, protocol
 from worker.autopause import AutoPauser
-from worker.config import Paths, Settings, State, save_state
+from worker.config import Paths, Settings, State, load_state, save_state
 from worker.events import (
     ConnectionSnapshot,
     DownloadProgress,
@@ -37,7 +38,16 @@ from worker.events import (
     Problem,
     ThroughputSnapshot,
 )
-from worker.hardware import GpuSample, Machine, NvmlError, NvmlSource, gpu_processes, sample_gpus
+from worker.hardware import (
+    GpuSample,
+    Machine,
+    NvmlError,
+    NvmlSource,
+    PynvmlSource,
+    gpu_processes,
+    sample_gpus,
+)
+from worker.hardware.nvml import find_wsl_nvml_library
 from worker.ledger import EnergyIntegrator, Ledger
 from worker.link import Backoff, Link
 from worker.measure import RunMeter, aggregate, cross_check, roofline
@@ -115,7 +125,6 @@ class Node(RelayHooks):
         self._backoff = backoff
         self._openai_port = openai_port
         self._first_port = first_port
-        self._first_port = first_port
         self._clock = clock
         self._monotonic = monotonic
 
@@ -145,7 +154,8 @@ class Node(RelayHooks):
         self._meters: dict[str, RunMeter] = {}
         self._request_engine: dict[str, str] = {}
         self._engine_metrics: dict[str, EngineMetrics] = {}  # latest /metrics per engine
-        self._metrics_at_ready: dict[str, EngineMetrics] = {}  # the run's baseline, for cross-checks
+        self._metrics_at_ready: dict[str, EngineMetrics] = {}  # the run's baseline, for spec-decode figures
+        self._token_baseline: dict[str, tuple[EngineMetrics, int]] = {}  # /metrics and relay tokens, engine idle
         self._generations: set[str] = set()  # request ids that generate tokens: the only ones metered
         self._pause: _Pause | None = None
         self._draining = False
@@ -235,8 +245,6 @@ class Node(RelayHooks):
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._engines_lock = asyncio.Lock()
-        from worker.config import load_state
-
         self.state = load_state(self.paths)
         if self.state.paused:
             self._pause = _Pause("user", self.state.pause_until)
@@ -244,6 +252,8 @@ class Node(RelayHooks):
         if reaped:
             log.warning("stopped %d engine process(es) a previous run left behind: %s", len(reaped), reaped)
         self.machine = await asyncio.to_thread(self._detect)
+        if self._nvml is None and self._hardware_override is None and self.machine.gpus:
+            self._nvml = PynvmlSource(library=find_wsl_nvml_library() if self.machine.runtime == "wsl2" else None)
         self._ledger = await asyncio.to_thread(Ledger, self.paths.ledger_file)
         await asyncio.to_thread(self._read_earnings)
         self._http = engine_http_client()
@@ -374,9 +384,11 @@ class Node(RelayHooks):
             if self._assignment and self._assignment.assignment_id == message.assignment_id:
                 self._spawn(self._unassign())
         elif isinstance(message, protocol.Pause):
-            self._spawn(self._do_pause("coordinator", None))
+            if self._pause is None or self._pause.reason == "coordinator":  # the person's own pause stays theirs
+                self._spawn(self._do_pause("coordinator", None))
         elif isinstance(message, protocol.Resume):
-            self._spawn(self._do_resume())
+            if self._pause is not None and self._pause.reason == "coordinator":  # lifts only its own pause
+                self._spawn(self._do_resume())
         elif isinstance(message, protocol.Update):
             self._spawn(self._offer_update(message))
         elif isinstance(message, protocol.Error):
@@ -425,6 +437,7 @@ class Node(RelayHooks):
     async def _start_engines(self) -> None:
         assert self._plan is not None
         self._provisioning = True
+        self._problem = None  # a retry (after a resume) must not keep showing the last failure
         self._publish()
         try:
             engine_plans = await self._provision(self._plan)
@@ -434,6 +447,8 @@ class Node(RelayHooks):
             return
         finally:
             self._provisioning = False
+        first = free_first_port(engine_plans[0].port, len(engine_plans)) if engine_plans else 0
+        engine_plans = [replace(ep, port=first + i) for i, ep in enumerate(engine_plans)]
         for engine_plan in engine_plans:
             sup = EngineSupervisor(
                 engine_plan,
@@ -486,7 +501,10 @@ class Node(RelayHooks):
     async def _stop_engines(self) -> None:
         sups = list(self._supervisors.items())
         await asyncio.gather(*(s.stop() for _, s in sups), return_exceptions=True)
-        self._supervisors.clear()
+        for engine_id, sup in sups:  # only these: one an assign or resume started meanwhile still runs
+            if self._supervisors.get(engine_id) is sup:
+                del self._supervisors[engine_id]
+                self._forget_run(engine_id)
         self._publish()
 
     def _on_engine_change(self, snap: EngineSnapshot, reason: str) -> None:
@@ -511,6 +529,7 @@ class Node(RelayHooks):
         self._meters.pop(engine_id, None)
         self._engine_metrics.pop(engine_id, None)
         self._metrics_at_ready.pop(engine_id, None)
+        self._token_baseline.pop(engine_id, None)
 
     # --- pause ----------------------------------------------------------------------------
 
@@ -609,9 +628,9 @@ class Node(RelayHooks):
         if request_id not in self._generations:
             return
         self._generations.discard(request_id)
-        self._request_engine.pop(request_id, None)
+        started = self._request_engine.pop(request_id, None) is not None  # False: cancelled before it ran
         sup = self._supervisors.get(engine_id)
-        if sup:
+        if sup and started:
             sup.request_finished()
         meter = self._meters.get(engine_id)
         if meter:
@@ -753,13 +772,25 @@ class Node(RelayHooks):
                 log.debug("engine %s: /metrics unavailable: %s", target.engine_id, exc)
                 continue
             self._engine_metrics[target.engine_id] = metrics
-            baseline = self._metrics_at_ready.setdefault(target.engine_id, metrics)
-            meter = self._meters.get(target.engine_id)
-            if meter is not None and meter.run_tokens:
-                check = cross_check(meter.run_tokens, baseline, metrics)
-                if not check.agrees():
-                    log.warning("engine %s: relay counted %d tokens this run, the engine %s",
-                                target.engine_id, meter.run_tokens, check)
+            self._metrics_at_ready.setdefault(target.engine_id, metrics)
+            self._cross_check(target.engine_id, sup, metrics)
+
+    def _cross_check(self, engine_id: str, sup: EngineSupervisor, metrics: EngineMetrics) -> None:
+        """The relay's tokens against the engine's counter, between two scrapes with nothing in
+        flight: the engine counts a stream's tokens as it goes, the relay at `response.end`, and
+        the first scrape may come after the first requests."""
+        meter = self._meters.get(engine_id)
+        if meter is None or sup.in_flight:
+            return
+        before = self._token_baseline.get(engine_id)
+        self._token_baseline[engine_id] = (metrics, meter.run_tokens)
+        if before is None or meter.run_tokens == before[1]:
+            return
+        relayed = meter.run_tokens - before[1]
+        check = cross_check(relayed, before[0], metrics)
+        if not check.agrees():
+            log.warning("engine %s: the relay counted %d tokens since the last check, the engine %s",
+                        engine_id, relayed, check)
 
     def _mean_kv_usage(self) -> float | None:
         usage = [m.kv_usage for m in self._engine_metrics.values() if m.kv_usage is not None]
@@ -875,7 +906,7 @@ class Node(RelayHooks):
         for callback in subscribers:
             try:
                 callback(snap)
-            except Exception:  # noqa: BLE001 - a broken viewer must not stop the node
+            except Exception:  # a broken viewer must not stop the node
                 log.exception("a snapshot subscriber failed")
 
     def _write_status_file(self) -> None:
@@ -938,6 +969,25 @@ class Node(RelayHooks):
     def _exit_for_update(self) -> None:
         self.exit_requested_by_update = True
         self.shutdown()
+
+
+def free_first_port(start: int, count: int, attempts: int = 500) -> int:
+    """The first of `count` consecutive ports from `start` up that nothing listens on: an engine
+    given a port another program holds would only crash-loop on "address already in use"."""
+    for first in range(start, min(start + attempts * count, 65536 - count), count):
+        if all(_port_free(first + i) for i in range(count)):
+            return first
+    return start
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the engines bind: TIME_WAIT is no obstacle
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _accelerator(machine: Machine) -> Literal["cpu", "cuda", "metal"]:

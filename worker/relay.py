@@ -315,7 +315,18 @@ class Relay:
         self._jobs[request.id] = job
         self._by_engine[target.engine_id] = self._by_engine.get(target.engine_id, 0) + 1
         job.task = asyncio.create_task(self._serve(job), name=f"relay-{request.id}")
+        job.task.add_done_callback(lambda _task: self._settle_unstarted(job))
         return job.task
+
+    def _settle_unstarted(self, job: _Job) -> None:
+        """A task cancelled before its first step never ran `_serve`'s `finally`: settle it here,
+        so even a `cancel` right behind its `request` gets exactly one terminal message."""
+        if self._jobs.get(job.request.id) is not job:
+            return
+        self._forget(job)
+        self._report_end(job.request.id, job.target.engine_id, None, False)
+        if job.stop is not None and not job.silent:
+            self._reply(job.send, job.stop)
 
     def _reply(self, send: Send, message: BaseModel) -> asyncio.Task[None]:
         """Sends a one-frame answer in its own task, held until it is done."""

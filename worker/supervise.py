@@ -170,7 +170,7 @@ class EngineSupervisor:
     def __init__(self, plan: EnginePlan, *, paths: Paths, on_event: EventCallback | None = None,
                  timing: SupervisorTiming = SupervisorTiming(), backoff: Backoff = Backoff(),
                  sleep: Callable[[float], Any] = asyncio.sleep, clock: Callable[[], float] = time.monotonic,
-                 key_factory: Callable[[], str] = lambda: secrets.token_urlsafe(24),
+                 key_factory: Callable[[], str] = lambda: secrets.token_hex(24),  # never starts with "-" (argparse)
                  base_env: Mapping[str, str] | None = None, gpu_released: procs.GpuReleased | None = None,
                  http: httpx.AsyncClient | None = None):
         self.plan = plan

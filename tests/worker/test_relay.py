@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -190,6 +191,24 @@ async def test_cancel_closes_the_engine_request_and_ends_with_one_499(engine, ht
     assert (terminal.status, terminal.code) == (499, "cancelled")
     assert relay.in_flight == 0
     assert hooks.calls[-1][:3] == ("end", "r-1", "e0") and hooks.calls[-1][4] is False
+
+
+async def test_cancel_right_behind_its_request_still_ends_it_once(engine, http) -> None:
+    """The cancel arrives before the request's task first runs: one 499, nothing in flight."""
+    wire, hooks = Wire(), Recorder()
+    relay = make_relay(wire, http, engine, hooks=hooks)
+    task = relay.handle(request())
+    assert relay.cancel("r-1")
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if wire.terminals("r-1"):
+            break
+        await asyncio.sleep(0.01)
+    (terminal,) = wire.terminals("r-1")
+    assert (terminal.status, terminal.code) == (499, "cancelled")
+    assert relay.in_flight == 0 and engine.records == []
+    assert hooks.calls == [("end", "r-1", "e0", None, False)]
 
 
 async def test_cancel_of_an_unknown_request_does_nothing(engine, http) -> None:
