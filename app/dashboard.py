@@ -215,9 +215,9 @@ class EngineCard(QFrame):
     def show_engine(self, engine: EngineSnapshot) -> None:
         key = self.key
         engine_name = {"vllm": "vLLM", "llamacpp": "llama.cpp"}[engine.engine]
-        gpus = ", ".join(str(i) for i in engine.gpu_indices) or "CPU"
+        where = f"GPU {', '.join(str(i) for i in engine.gpu_indices)}" if engine.gpu_indices else "the CPU"
         tier = f" · tier {engine.tier} MiB" if engine.tier else " · base settings"
-        self._values.set(f"{key}.title", f"{engine.engine_id} · {engine_name} · {engine.layout} on GPU {gpus}{tier}")
+        self._values.set(f"{key}.title", f"{engine.engine_id} · {engine_name} · {engine.layout} on {where}{tier}")
         self._values.set(f"{key}.state", engine.state.capitalize())
         self.state_chip.setStyleSheet(pill_style(ENGINE_COLOURS.get(engine.state, STATE_COLOURS["idle"])))
         starting = engine.phase is not None and engine.phase != "ready" and engine.state == "starting"

@@ -1,0 +1,70 @@
+"""Run the benchmarks, print one table of figures beside their targets, and save it as JSON.
+
+`python -m bench [--quick] [--only relay,detect,node] [--upstream httpx,lean] [--profile]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from bench import detect_plan, node, relay
+from bench.report import RESULTS, Figure, table, write_json
+
+SECTIONS = ("relay", "detect", "node")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller loads and shorter windows (about a minute)")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the relay's node side under cProfile (stats in bench/results/relay-*.prof)")
+    parser.add_argument("--upstream", default="httpx,lean",
+                        help="the relay's client to the engine, comma-separated: httpx (as shipped), lean "
+                        "(bench.lean_http, the proposed change); default both")
+    parser.add_argument("--levels", default="1,32,128,256", help="relay concurrency levels")
+    parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
+    args = parser.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    if set(args.upstream.split(",")) - {"httpx", "lean"}:
+        parser.error("--upstream takes httpx, lean or both")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    only = args.only.split(",")
+    figures: list[Figure] = []
+    details: dict[str, Any] = {"quick": args.quick}
+    if "detect" in only:
+        found, details["detect"] = detect_plan.measure(args.quick)
+        figures += found
+    if "node" in only:
+        found, details["node"] = asyncio.run(node.measure(args.quick))
+        figures += found
+    profiles: list[Path] = []
+    for upstream in args.upstream.split(",") if "relay" in only else []:
+        profile = RESULTS.parent / f"relay-{upstream}.prof" if args.profile else None
+        changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile, "upstream": upstream}
+        settings = relay.RelaySettings.quick(**changes) if args.quick else relay.RelaySettings(**changes)
+        found, details[f"relay-{upstream}"] = asyncio.run(relay.measure(settings))
+        figures += found
+        profiles += [profile] if profile else []
+    print(table(figures))
+    for profile in profiles:
+        print(f"\nrelay node profile, {profile.name} (top by own time):\n" + relay.profile_summary(profile))
+    print(f"\nresults written to {write_json(figures, details, args.json)}")
+    missed = [f for f in figures if f.passed is False]
+    print(f"{len(missed)} of {sum(f.passed is not None for f in figures)} targets missed" if missed
+          else "every target met")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,358 @@
+"""Relay benchmark: streamed tokens/s and per-chunk latency, through the relay and direct.
+
+Three processes: the stamped fake engine, the node side (`bench.relay_node`: Link ⇄ Relay ⇄
+httpx, pinned to one CPU), and this one, which is the load generator *and* the reference
+coordinator: it sends `request` frames from `worker.localnet.ReferenceCoordinator` over the real
+websocket and reads the `response.*` frames, as the coordinator's caller would. "Direct" is the
+same load sent from this process straight to the engine with `bench.lean_http` (a client cheap
+enough that direct measures the engine, not the client).
+
+- Throughput: closed loop, C streams at once, each asking for `tokens` tokens, until about
+  `budget` tokens have streamed. Counted by the engine's stamps that reached the caller.
+- Node CPU: the node process's CPU seconds over the run, so "tokens per node CPU-second" is what
+  one core can relay even when this machine's other cores (load generator, engine) are the limit.
+- Latency: a paced engine (one token per `paced_delay_s`, as a real decode), each chunk's arrival
+  minus the engine's stamp; the relay's *added* latency is its percentile minus direct's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pstats
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.lean_http import LeanClient
+from bench.relay_node import TOKEN
+from bench.report import Figure, at_least, at_most, info
+from bench.stamped_engine import API_KEY
+from worker import protocol
+from worker.localnet import ReferenceCoordinator
+
+SECTION = "relay"
+TARGET_TOKENS_PER_S = 33_000
+TARGET_SHARE_OF_DIRECT = 0.95
+TARGET_ADDED_P99_MS = 2.0
+RAMP_SETTLE_S = 0.2
+_STAMP = re.compile(r'"t":(\d+)')
+_STAMP_BYTES = re.compile(rb'"t":(\d+)')
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    levels: tuple[int, ...] = (1, 32, 128, 256)
+    tokens: int = 256  # per stream, throughput runs
+    budget: int = 200_000  # tokens per level and mode, throughput runs
+    paced_tokens: int = 250  # per stream, latency runs
+    paced_delay_s: float = 0.02
+    ramp_s: float = 1.0  # latency runs: stream starts spread over this, as requests arrive in service
+    profile: Path | None = None
+    upstream: str = "httpx"  # the relay's client to the engine: httpx as shipped, or "lean" (bench.lean_http)
+
+    @classmethod
+    def quick(cls, **changes: Any) -> RelaySettings:
+        return cls(budget=40_000, paced_tokens=100, **changes)
+
+
+@dataclass
+class Run:
+    """One load at one concurrency, through one path."""
+
+    mode: str
+    concurrency: int
+    tokens: int = 0
+    seconds: float = 0.0
+    errors: int = 0
+    latencies_ns: list[int] = field(default_factory=list)
+    node_cpu_s: float | None = None
+    engine_cpu_s: float | None = None
+    loadgen_cpu_s: float | None = None
+    node_waited_s: float | None = None  # runnable but waiting for a CPU (Linux schedstat): contention
+    measure_from_ns: int = 0  # chunks the engine stamped earlier (the ramp-up) are left out of latency
+
+    def record(self, now_ns: int, stamps: list[str] | list[bytes]) -> None:
+        self.tokens += len(stamps)
+        start = self.measure_from_ns
+        self.latencies_ns.extend(now_ns - t for t in map(int, stamps) if t >= start)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def percentile_ms(self, q: float) -> float:
+        if not self.latencies_ns:
+            return float("nan")
+        ordered = sorted(self.latencies_ns)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e6
+
+
+def cpu_split() -> tuple[str, str]:
+    """(the node's CPU, everyone else's CPUs): the node gets one core to itself where possible."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cpus:
+        return "", ""
+    node = cpus[-1]
+    others = [c for c in cpus if c != node] or [node]
+    return str(node), ",".join(map(str, others))
+
+
+async def _child(argv: list[str]) -> tuple[asyncio.subprocess.Process, str]:
+    """Starts a helper process; returns it and the first line it prints (a URL, or "")."""
+    process = await asyncio.create_subprocess_exec(
+        *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), 60)
+    return process, line.decode().strip()
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), 30)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+@dataclass
+class Rig:
+    """A running engine, coordinator and node, ready for load."""
+
+    engine_url: str
+    coordinator: ReferenceCoordinator
+    node: asyncio.subprocess.Process
+    engine: asyncio.subprocess.Process
+    http: LeanClient
+
+    def cpu_s(self) -> tuple[float, float, float]:
+        """CPU seconds so far of the node, the engine and this process (the load generator)."""
+        return tuple(sum(psutil.Process(pid).cpu_times()[:2])  # type: ignore[return-value]
+                     for pid in (self.node.pid, self.engine.pid, os.getpid()))
+
+    def node_waited_s(self) -> float | None:
+        """Seconds the node's threads spent runnable but off a CPU, so far (None off Linux)."""
+        total = 0
+        try:
+            for task in Path(f"/proc/{self.node.pid}/task").iterdir():
+                total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+        return total / 1e9
+
+
+def node_command(url: str, engine_url: str, cpus: str, profile: Path | None, upstream: str) -> list[str]:
+    return [sys.executable, "-m", "bench.relay_node", "--url", url, "--engine", engine_url, "--cpus", cpus,
+            "--upstream", upstream] + (["--profile", str(profile)] if profile else [])
+
+
+@asynccontextmanager
+async def rig(*, tokens: int, token_delay_s: float, profile: Path | None, upstream: str) -> AsyncIterator[Rig]:
+    node_cpu, other_cpus = cpu_split()
+    engine, engine_url = await _child([sys.executable, "-m", "bench.stamped_engine", "--tokens", str(tokens),
+                                       "--token-delay", str(token_delay_s), "--cpus", other_cpus])
+    coordinator = await ReferenceCoordinator(token=TOKEN, ping_interval=None).start()
+    node = await asyncio.create_subprocess_exec(*node_command(coordinator.url, engine_url, node_cpu, profile, upstream),
+                                                cwd=ROOT, stdout=asyncio.subprocess.DEVNULL)
+    http = LeanClient()
+    try:
+        await coordinator.wait_for_connections(1, timeout=60)
+        yield Rig(engine_url, coordinator, node, engine, http)
+    finally:
+        await _stop(node)
+        await coordinator.stop()
+        await http.aclose()
+        await _stop(engine)
+
+
+def _body(tokens: int) -> dict[str, Any]:
+    return {"model": "fake-model", "messages": [{"role": "user", "content": "bench"}], "stream": True,
+            "max_tokens": tokens}
+
+
+async def _through_relay(coordinator: ReferenceCoordinator, tokens: int, run: Run) -> None:
+    exchange = await coordinator.request(_body(tokens))
+    async for frame in exchange.frames():
+        if isinstance(frame, protocol.ResponseChunk):
+            run.record(time.monotonic_ns(), _STAMP.findall(frame.data))
+        elif isinstance(frame, protocol.ResponseError):
+            run.errors += 1
+
+
+async def _direct(client: LeanClient, engine_url: str, tokens: int, run: Run) -> None:
+    body = _body(tokens) | {"stream_options": {"include_usage": True}}  # what the relay asks the engine for
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    request = client.build_request("POST", engine_url + "/v1/chat/completions",
+                                   content=json.dumps(body).encode(), headers=headers)
+    response = await client.send(request)
+    held = b""
+    try:
+        if response.status_code != 200:
+            run.errors += 1
+        async for raw in response.aiter_raw():
+            now = time.monotonic_ns()
+            data = held + raw
+            end = data.rfind(b"\n\n") + 2  # stamps only from whole events: a read may split one
+            held, data = data[end:], data[:end]
+            run.record(now, _STAMP_BYTES.findall(data))
+    finally:
+        await response.aclose()
+
+
+async def load(the_rig: Rig, mode: str, concurrency: int, tokens: int, requests_each: int,
+               ramp_s: float = 0.0) -> Run:
+    """C workers, each streaming `requests_each` answers one after another; with `ramp_s` the
+    workers start evenly spread over that time, and latency counts only what follows the ramp."""
+    run = Run(mode, concurrency)
+    if ramp_s:
+        run.measure_from_ns = time.monotonic_ns() + int((ramp_s + RAMP_SETTLE_S) * 1e9)
+
+    async def worker(number: int) -> None:
+        await asyncio.sleep(ramp_s * number / concurrency)
+        for _ in range(requests_each):
+            if mode == "relay":
+                await _through_relay(the_rig.coordinator, tokens, run)
+            else:
+                await _direct(the_rig.http, the_rig.engine_url, tokens, run)
+
+    cpu_before, waited_before = the_rig.cpu_s(), the_rig.node_waited_s()
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(n) for n in range(concurrency)))
+    run.seconds = time.perf_counter() - started
+    run.node_cpu_s, run.engine_cpu_s, run.loadgen_cpu_s = (
+        after - before for after, before in zip(the_rig.cpu_s(), cpu_before))
+    waited_after = the_rig.node_waited_s()
+    if waited_before is not None and waited_after is not None:
+        run.node_waited_s = waited_after - waited_before
+    the_rig.coordinator.received.clear()  # the reference coordinator keeps every frame
+    return run
+
+
+async def _levels(the_rig: Rig, settings: RelaySettings, tokens: int, budget: int | None) -> list[Run]:
+    """Every level, direct then relay; throughput runs (a budget) start at once, paced runs ramp."""
+    runs = []
+    ramp_s = 0.0 if budget is not None else settings.ramp_s
+    await load(the_rig, "relay", 8, tokens, 1)  # warm both paths' connections
+    await load(the_rig, "direct", 8, tokens, 1)
+    for concurrency in settings.levels:
+        each = 1 if budget is None else max(1, round(budget / (concurrency * tokens)))
+        for mode in ("direct", "relay"):
+            runs.append(await load(the_rig, mode, concurrency, tokens, each, ramp_s))
+    return runs
+
+
+@contextmanager
+def _load_generator_off_the_node_cpu() -> Iterator[None]:
+    """This process runs on the engine's CPUs while it measures, so the node's core is its own."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    others = cpu_split()[1]
+    if others:
+        os.sched_setaffinity(0, {int(c) for c in others.split(",")})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+async def measure(settings: RelaySettings) -> tuple[list[Figure], dict[str, Any]]:
+    with _load_generator_off_the_node_cpu():
+        return await _measure(settings)
+
+
+async def _measure(settings: RelaySettings) -> tuple[list[Figure], dict[str, Any]]:
+    async with rig(tokens=settings.tokens, token_delay_s=0.0, profile=settings.profile,
+                   upstream=settings.upstream) as fast:
+        throughput = await _levels(fast, settings, settings.tokens, settings.budget)
+    async with rig(tokens=settings.paced_tokens, token_delay_s=settings.paced_delay_s, profile=None,
+                   upstream=settings.upstream) as paced:
+        latency = await _levels(paced, settings, settings.paced_tokens, None)
+    details: dict[str, Any] = {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()},
+        "cpus": dict(zip(("node", "others"), cpu_split())),
+        "throughput": [_run_json(r) for r in throughput],
+        "latency": [_run_json(r) for r in latency],
+    }
+    if settings.profile:
+        details["profile_top"] = profile_summary(settings.profile)
+    return figures(settings, throughput, latency), details
+
+
+def _run_json(run: Run) -> dict[str, Any]:
+    return {"mode": run.mode, "concurrency": run.concurrency, "tokens": run.tokens,
+            "seconds": round(run.seconds, 4), "tokens_per_s": round(run.tokens_per_s), "errors": run.errors,
+            "node_cpu_s": run.node_cpu_s, "engine_cpu_s": run.engine_cpu_s, "loadgen_cpu_s": run.loadgen_cpu_s,
+            "node_waited_for_cpu_s": run.node_waited_s,
+            "p50_ms": round(run.percentile_ms(0.5), 3), "p99_ms": round(run.percentile_ms(0.99), 3)}
+
+
+def _pair(runs: list[Run], concurrency: int) -> tuple[Run, Run]:
+    direct = next(r for r in runs if r.mode == "direct" and r.concurrency == concurrency)
+    relayed = next(r for r in runs if r.mode == "relay" and r.concurrency == concurrency)
+    return direct, relayed
+
+
+def figures(settings: RelaySettings, throughput: list[Run], latency: list[Run]) -> list[Figure]:
+    section = SECTION if settings.upstream == "httpx" else f"{SECTION} ({settings.upstream} upstream)"
+    out: list[Figure] = []
+    best_capacity = 0.0
+    for c in settings.levels:
+        direct, relayed = _pair(throughput, c)
+        node_busy = (relayed.node_cpu_s or 0.0) / relayed.seconds if relayed.seconds else 0.0
+        capacity = relayed.tokens / relayed.node_cpu_s if relayed.node_cpu_s else 0.0
+        best_capacity = max(best_capacity, capacity)
+        errors = f"; {relayed.errors + direct.errors} errors" if relayed.errors + direct.errors else ""
+        out.append(info(section, f"direct tok/s @{c}", direct.tokens_per_s, "tok/s"))
+        out.append(Figure(section, f"relay tok/s @{c}", relayed.tokens_per_s, "tok/s",
+                          f"≥ {TARGET_TOKENS_PER_S:,}" if c > 1 else "",
+                          relayed.tokens_per_s >= TARGET_TOKENS_PER_S if c > 1 else None,
+                          f"node CPU {node_busy:.0%} of its core, waited for it "
+                          f"{_busy(relayed.node_waited_s, relayed)} of the time{errors}"))
+        ratio = relayed.tokens_per_s / direct.tokens_per_s if direct.tokens_per_s else 0.0
+        out.append(at_least(section, f"relay / direct @{c}", ratio, "", TARGET_SHARE_OF_DIRECT))
+        out.append(info(section, f"node tok per CPU-s @{c}", capacity, "tok/s",
+                        "what one core relays when it is the limit"))
+    out.append(at_least(section, "node capacity, one core (best)", best_capacity, "tok/s", TARGET_TOKENS_PER_S,
+                        "tokens ÷ node CPU-seconds"))
+    for c in settings.levels:
+        direct, relayed = _pair(latency, c)
+        added_p50 = relayed.percentile_ms(0.5) - direct.percentile_ms(0.5)
+        added_p99 = relayed.percentile_ms(0.99) - direct.percentile_ms(0.99)
+        note = (f"direct p50 {direct.percentile_ms(0.5):.2f} p99 {direct.percentile_ms(0.99):.2f} ms, relay p50 "
+                f"{relayed.percentile_ms(0.5):.2f} p99 {relayed.percentile_ms(0.99):.2f} ms; CPU node "
+                f"{_busy(relayed.node_cpu_s, relayed)}, engine {_busy(relayed.engine_cpu_s, relayed)}, "
+                f"load generator + coordinator {_busy(relayed.loadgen_cpu_s, relayed)}; node waited for a CPU "
+                f"{_busy(relayed.node_waited_s, relayed)} of the time")
+        out.append(info(section, f"added latency p50 @{c}", added_p50, "ms",
+                        f"{c} streams at {1 / settings.paced_delay_s:g} tok/s each, starts spread over {settings.ramp_s:g} s"))
+        out.append(at_most(section, f"added latency p99 @{c}", added_p99, "ms", TARGET_ADDED_P99_MS, note))
+    return out
+
+
+def _busy(cpu_s: float | None, run: Run) -> str:
+    return "?" if cpu_s is None or not run.seconds else f"{cpu_s / run.seconds:.0%}"
+
+
+def profile_summary(path: Path, top: int = 25) -> str:
+    """The node's hottest functions by their own time, as text."""
+    if not path.exists():
+        return f"no profile at {path}"
+    text = StringIO()
+    stats = pstats.Stats(str(path), stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    return text.getvalue()

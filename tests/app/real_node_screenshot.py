@@ -1,0 +1,69 @@
+"""The dashboard of a REAL node, not scripted snapshots: local coordinator, llama-server on the
+CPU, the tiny demo model, a few relayed requests; then a screenshot.
+
+    QT_QPA_PLATFORM=offscreen .venv/bin/python -m tests.app.real_node_screenshot
+
+Writes docs/screenshots/real-node-cpu.png. Needs the llama-server that tests/support builds.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+
+from app.core_thread import CoreThread
+from app.main import DesktopApp
+from tests.support.engines import ensure_llama_server, free_port
+from tests.support.tiny_gguf import write_tiny_gguf
+from worker.config import Paths, Settings
+from worker.node import Node
+
+OUT = Path(__file__).resolve().parents[2] / "docs" / "screenshots" / "real-node-cpu.png"
+
+
+def main() -> None:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    folder = Path(tempfile.mkdtemp(prefix="gpu-provider-shot-"))
+    model = write_tiny_gguf(folder / "tiny-demo.gguf")
+    paths = Paths.under(folder / "data").ensure()
+    port = free_port()
+    qapp = QApplication(["gpu-provider"])
+    node = Node(paths, Settings(), coordinator_url="local", model=str(model), openai_port=port,
+                engine_bins={"llamacpp": str(ensure_llama_server().executable)})
+    desktop = DesktopApp(qapp, node, paths, Settings(), tray_available=False, redact=lambda text: text)
+    core = CoreThread(node.run, desktop.bridge.report_core_failure)
+    core.start()
+    desktop.dashboard.resize(1100, 1250)
+    desktop.dashboard.show()
+    threading.Thread(target=_load, args=(node, port), daemon=True).start()
+
+    def grab() -> None:
+        desktop.dashboard.grab().save(str(OUT))
+        print(f"{OUT}: state {node.snapshot().state}, {node.snapshot().throughput}")
+        node.shutdown()
+        qapp.quit()
+
+    QTimer.singleShot(25_000, grab)
+    qapp.exec()
+
+
+def _load(node: Node, port: int) -> None:
+    """Wait for ready, then a few streamed chat completions through the local endpoint."""
+    deadline = time.monotonic() + 30
+    while node.snapshot().state != "ready" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    body = {"model": "local", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True}
+    for _ in range(8):
+        httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+        time.sleep(0.3)
+
+
+if __name__ == "__main__":
+    main()
