@@ -617,6 +617,8 @@ class Dashboard(QMainWindow):
 def download_text(d: DownloadProgress) -> str:
     if d.error:
         return f"{d.what}: failed — {d.error}"
+    if d.step:
+        return f"{d.what}: {d.step}"
     size = f"{d.done_bytes / 2**30:.1f}"
     size += f" of {d.total_bytes / 2**30:.1f} GiB" if d.total_bytes else " GiB"
     extra = ""

@@ -128,6 +128,7 @@ class DownloadProgress:
     eta_s: float | None = None
     finished: bool = False
     error: str | None = None
+    step: str | None = None  # what an install is doing when there are no bytes to count
 
     @property
     def fraction(self) -> float | None:

@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 DRAIN_S = 30.0
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 TICK_S = 1.0
+IDLE_SCRAPE_S = 10.0  # engine /metrics while nothing is in flight: an idle node stays near 0 % CPU
 Subscriber = Callable[[NodeSnapshot], None]
 T = TypeVar("T")
 
@@ -153,6 +154,7 @@ class Node(RelayHooks):
         self._supervisors: dict[str, EngineSupervisor] = {}
         self._meters: dict[str, RunMeter] = {}
         self._request_engine: dict[str, str] = {}
+        self._last_scrape = float("-inf")
         self._engine_metrics: dict[str, EngineMetrics] = {}  # latest /metrics per engine
         self._metrics_at_ready: dict[str, EngineMetrics] = {}  # the run's baseline, for spec-decode figures
         self._token_baseline: dict[str, tuple[EngineMetrics, int]] = {}  # /metrics and relay tokens, engine idle
@@ -749,7 +751,9 @@ class Node(RelayHooks):
                 await asyncio.to_thread(
                     self._with_ledger, lambda ledger: ledger.record_energy(joules, now, price, currency)
                 )
-        await self._scrape_engines()
+        if self._in_flight() or self._monotonic() - self._last_scrape >= IDLE_SCRAPE_S:
+            self._last_scrape = self._monotonic()
+            await self._scrape_engines()
         figures = aggregate(self._meters.values(), clock=self._monotonic)
         rows = [("tokens_per_s", figures.tokens_per_s), ("kv_usage", self._mean_kv_usage())]
         if self._gpu_samples:
@@ -1023,6 +1027,9 @@ class _ProgressLines:
             if now - self._last.get(d.what, 0.0) < self._every_s:
                 continue
             self._last[d.what] = now
+            if d.step:
+                log.info("%s: %s", d.what, d.step)
+                continue
             share = f"{d.fraction:.0%} " if d.fraction is not None else ""
             total = f" of {d.total_bytes / 1e6:,.0f} MB" if d.total_bytes else ""
             rate = f", {d.rate_bps / 1e6:,.1f} MB/s" if d.rate_bps else ""

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote
 
-import httpx
 from pydantic import BaseModel, ValidationError
 
 from worker import protocol
+from worker.loopback_http import LoopbackClient, LoopbackHTTPError, Response
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +79,11 @@ class RelayHooks:
         """A request finished; `ok` is False for errors, cancels and engine failures."""
 
 
-def engine_http_client() -> httpx.AsyncClient:
-    """An HTTP client fit for the relay: no proxies from the environment, no read timeout
-    (deadlines are the relay's), and no cap on concurrent streams."""
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=5.0),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        trust_env=False,
-    )
+def engine_http_client() -> LoopbackClient:
+    """The relay's client to its engines: loopback only, no read timeout (deadlines are the
+    relay's), no cap on concurrent streams, and O(1) work per request start and end (httpx's
+    per-chunk and pool costs capped the relay at a third of its capacity; `bench/README.md`)."""
+    return LoopbackClient()
 
 
 class StreamFilter:
@@ -273,7 +270,7 @@ class Relay:
         ready_targets: Callable[[], Sequence[EngineTarget]],
         gate: Callable[[], GateCode | None],
         *,
-        http: httpx.AsyncClient,
+        http: LoopbackClient,
         hooks: RelayHooks | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -417,7 +414,7 @@ class Relay:
                 message=f"no answer within the request's deadline of {request.deadline_s:g} s; "
                 'use "stream": true for long answers',
             )
-        except httpx.HTTPError as exc:
+        except LoopbackHTTPError as exc:
             terminal = protocol.ResponseError(
                 id=request.id, status=502, code="engine_failed",
                 message=f"the engine failed during the request ({type(exc).__name__}: {exc})",
@@ -440,7 +437,7 @@ class Relay:
             request.method, target.base_url.rstrip("/") + request.path,
             content=content, headers=_engine_headers(target.api_key, content is not None),
         )
-        response: httpx.Response | None = None
+        response: Response | None = None
         try:
             async with asyncio.timeout(request.deadline_s):
                 response = await self._http.send(upstream, stream=True)
@@ -459,7 +456,7 @@ class Relay:
             if response is not None:
                 await response.aclose()
 
-    async def _pump(self, job: _Job, response: httpx.Response, filter_: StreamFilter) -> None:
+    async def _pump(self, job: _Job, response: Response, filter_: StreamFilter) -> None:
         request_id, engine_id = job.request.id, job.target.engine_id
         on_chunk = self._hooks.on_chunk
         outbox = _Outbox(request_id, job.send, filter_)
@@ -475,7 +472,7 @@ class Relay:
                 if outbox.gone:
                     raise _CoordinatorGone
             delivered = await outbox.close()
-        except httpx.HTTPError:
+        except LoopbackHTTPError:
             await outbox.close()  # what the engine did send still goes out, before the 502
             raise
         finally:
@@ -523,7 +520,7 @@ def _asks_stream(body: Any) -> bool:
     return isinstance(body, dict) and body.get("stream") is True
 
 
-def _is_event_stream(response: httpx.Response) -> bool:
+def _is_event_stream(response: Response) -> bool:
     content_type: str = response.headers.get("content-type", "")
     return content_type.startswith("text/event-stream")
 

@@ -192,7 +192,7 @@ class StepReporter:
         if not force and self._last is not None and now - self._last < 0.2:
             return
         self._last = now
-        self._on_progress(DownloadProgress(f"{self.what}: {description}", 0, None))
+        self._on_progress(DownloadProgress(self.what, 0, None, step=description))
 
     def finish(self) -> None:
         self._on_progress(DownloadProgress(self.what, 0, None, finished=True))

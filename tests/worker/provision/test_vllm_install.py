@@ -46,7 +46,8 @@ async def test_vllm_venv_from_a_wheel_folder_gives_a_working_executable(tmp_path
         check=True,
     )
     assert answer.stdout.strip() == "0.33.0"
-    assert any("installing with pip" in p.what for p in progress)
+    assert any(p.step == "installing with pip" for p in progress)
+    assert {p.what for p in progress} == {"engine vllm 0.33.0"}  # one row that says what it is doing
     assert progress[-1].finished
 
     again: list[DownloadProgress] = []
