@@ -16,6 +16,7 @@ History = Callable[[str, float], list[tuple[float, float]]]  # (series, window_s
 
 WINDOW_S = 10 * 60
 REFRESH_MS = 1000
+IDLE_REDRAW_S = 10.0
 
 pg.setConfigOptions(antialias=True, background="w", foreground="#5B6472")
 
@@ -62,6 +63,7 @@ class LiveCharts(QWidget):
         layout.setSpacing(12)
         outer.addWidget(self.plots)
         self.curves: dict[str, pg.PlotDataItem] = {}
+        self._drawn: dict[str, tuple[tuple[int, float | None], float]] = {}  # series: ((points, newest), drawn at)
         for i, (series, title, unit, colour, y_range) in enumerate(SERIES):
             plot = _plot(title, unit, y_range)
             self.curves[series] = plot.plot(pen=pg.mkPen(colour, width=2), fillLevel=0, brush=pg.mkBrush(colour + "22"))
@@ -71,12 +73,19 @@ class LiveCharts(QWidget):
         self.timer.timeout.connect(self.refresh)
 
     def refresh(self) -> None:
+        """Redraws a series when it gained or lost points, else every `IDLE_REDRAW_S` (to slide
+        the old points left): an idle node costs almost no repaints."""
         now = self._clock()
         has_data = False
         for series, curve in self.curves.items():
-            points = [(t - now, v) for t, v in self._history(series, WINDOW_S) if now - t <= WINDOW_S]
-            has_data = has_data or bool(points)
-            curve.setData([x for x, _ in points], [v for _, v in points])
+            history = [(t, v) for t, v in self._history(series, WINDOW_S) if now - t <= WINDOW_S]
+            has_data = has_data or bool(history)
+            key = (len(history), history[-1][0] if history else None)
+            drawn = self._drawn.get(series)
+            if drawn is not None and drawn[0] == key and now - drawn[1] < IDLE_REDRAW_S:
+                continue
+            self._drawn[series] = (key, now)
+            curve.setData([t - now for t, _ in history], [v for _, v in history])
         self.plots.setVisible(has_data)
         self.empty_note.setVisible(not has_data)
 

@@ -120,6 +120,21 @@ def test_charts_poll_only_while_visible(dashboard, node, qtbot):
     assert not dashboard.charts.timer.isActive()
 
 
+def test_charts_redraw_only_what_changed(dashboard, node, qtbot, monkeypatch):
+    """An idle node's charts cost no repaints: unchanged series are not redrawn each second."""
+    now = time.time()
+    node.history_points["tokens_per_s"] = [(now - 20, 800.0)]
+    dashboard.charts.refresh()
+    drawn: list[str] = []
+    for series, curve in dashboard.charts.curves.items():
+        monkeypatch.setattr(curve, "setData", lambda *a, series=series, **k: drawn.append(series))
+    dashboard.charts.refresh()
+    assert drawn == []
+    node.history_points["tokens_per_s"].append((now - 1, 810.0))
+    dashboard.charts.refresh()
+    assert drawn == ["tokens_per_s"]
+
+
 def test_a_dead_core_is_reported_even_without_a_snapshot(dashboard, bridge, qtbot):
     import threading
 
