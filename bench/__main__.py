@@ -24,8 +24,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="run the relay's node side under cProfile (stats in bench/results/relay-*.prof)")
     parser.add_argument("--upstream", default="httpx,lean",
-                        help="the relay's client to the engine, comma-separated: httpx (as shipped), lean "
-                        "(bench.lean_http, the proposed change); default both")
+                        help="the relay's client to the engine, comma-separated: lean (worker.loopback_http, "
+                        "as shipped), httpx (the previous client, for comparison); default both")
     parser.add_argument("--levels", default="1,32,128,256", help="relay concurrency levels")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     args = parser.parse_args(argv)

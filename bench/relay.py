@@ -1,11 +1,11 @@
 """Relay benchmark: streamed tokens/s and per-chunk latency, through the relay and direct.
 
 Three processes: the stamped fake engine, the node side (`bench.relay_node`: Link ⇄ Relay ⇄
-httpx, pinned to one CPU), and this one, which is the load generator *and* the reference
+engine client, pinned to one CPU), and this one, which is the load generator *and* the reference
 coordinator: it sends `request` frames from `worker.localnet.ReferenceCoordinator` over the real
 websocket and reads the `response.*` frames, as the coordinator's caller would. "Direct" is the
-same load sent from this process straight to the engine with `bench.lean_http` (a client cheap
-enough that direct measures the engine, not the client).
+same load sent from this process straight to the engine with `worker.loopback_http` (a client
+cheap enough that direct measures the engine, not the client).
 
 - Throughput: closed loop, C streams at once, each asking for `tokens` tokens, until about
   `budget` tokens have streamed. Counted by the engine's stamps that reached the caller.
@@ -34,12 +34,12 @@ from typing import Any
 
 import psutil
 
-from bench.lean_http import LeanClient
 from bench.relay_node import TOKEN
 from bench.report import Figure, at_least, at_most, info
 from bench.stamped_engine import API_KEY
 from worker import protocol
 from worker.localnet import ReferenceCoordinator
+from worker.loopback_http import LoopbackClient
 
 SECTION = "relay"
 TARGET_TOKENS_PER_S = 33_000
@@ -60,7 +60,7 @@ class RelaySettings:
     paced_delay_s: float = 0.02
     ramp_s: float = 1.0  # latency runs: stream starts spread over this, as requests arrive in service
     profile: Path | None = None
-    upstream: str = "httpx"  # the relay's client to the engine: httpx as shipped, or "lean" (bench.lean_http)
+    upstream: str = "lean"  # the relay's client to the engine: "lean" as shipped (worker.loopback_http), or "httpx"
 
     @classmethod
     def quick(cls, **changes: Any) -> RelaySettings:
@@ -136,7 +136,7 @@ class Rig:
     coordinator: ReferenceCoordinator
     node: asyncio.subprocess.Process
     engine: asyncio.subprocess.Process
-    http: LeanClient
+    http: LoopbackClient
 
     def cpu_s(self) -> tuple[float, float, float]:
         """CPU seconds so far of the node, the engine and this process (the load generator)."""
@@ -167,7 +167,7 @@ async def rig(*, tokens: int, token_delay_s: float, profile: Path | None, upstre
     coordinator = await ReferenceCoordinator(token=TOKEN, ping_interval=None).start()
     node = await asyncio.create_subprocess_exec(*node_command(coordinator.url, engine_url, node_cpu, profile, upstream),
                                                 cwd=ROOT, stdout=asyncio.subprocess.DEVNULL)
-    http = LeanClient()
+    http = LoopbackClient()
     try:
         await coordinator.wait_for_connections(1, timeout=60)
         yield Rig(engine_url, coordinator, node, engine, http)
@@ -192,7 +192,7 @@ async def _through_relay(coordinator: ReferenceCoordinator, tokens: int, run: Ru
             run.errors += 1
 
 
-async def _direct(client: LeanClient, engine_url: str, tokens: int, run: Run) -> None:
+async def _direct(client: LoopbackClient, engine_url: str, tokens: int, run: Run) -> None:
     body = _body(tokens) | {"stream_options": {"include_usage": True}}  # what the relay asks the engine for
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     request = client.build_request("POST", engine_url + "/v1/chat/completions",
@@ -308,7 +308,7 @@ def _pair(runs: list[Run], concurrency: int) -> tuple[Run, Run]:
 
 
 def figures(settings: RelaySettings, throughput: list[Run], latency: list[Run]) -> list[Figure]:
-    section = SECTION if settings.upstream == "httpx" else f"{SECTION} ({settings.upstream} upstream)"
+    section = SECTION if settings.upstream == "lean" else f"{SECTION} ({settings.upstream} upstream)"
     out: list[Figure] = []
     best_capacity = 0.0
     for c in settings.levels:

@@ -44,7 +44,7 @@ class LoopbackHTTPError(OSError):
 class Headers(dict[str, str]):
     """Response headers under lower-cased names, looked up in any case (as with httpx)."""
 
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, name: str, default: Any = None) -> Any:
         return super().get(name.lower(), default)
 
     def __getitem__(self, name: str) -> str:
@@ -57,7 +57,7 @@ class Headers(dict[str, str]):
 class Request:
     """One request, checked when built so that `send` cannot write a malformed one."""
 
-    __slots__ = ("method", "url", "content", "headers", "address", "_head")
+    __slots__ = ("_head", "address", "content", "headers", "method", "url")
 
     def __init__(self, method: str, url: str, content: bytes | None, headers: Mapping[str, str]) -> None:
         parts = urlsplit(url)
@@ -79,8 +79,10 @@ class Request:
 
 def _request_head(method: str, target: str, host: str, length: int, headers: Mapping[str, str]) -> bytes:
     """The request line and headers; a line break smuggled into any of them is refused."""
-    if _UNSAFE.search(target) or " " in target or any(_UNSAFE.search(n + v) for n, v in headers.items()):
-        raise ValueError("a header or the URL holds a line break; the request would be malformed")
+    if _UNSAFE.search(method + target) or " " in method + target or any(
+        _UNSAFE.search(name + value) for name, value in headers.items()
+    ):
+        raise ValueError("the method, URL or a header holds a line break; the request would be malformed")
     lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", f"Content-Length: {length}"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -89,7 +91,7 @@ def _request_head(method: str, target: str, host: str, length: int, headers: Map
 class _Connection:
     """One keep-alive socket to an engine, and when it was last given back idle."""
 
-    __slots__ = ("reader", "writer", "idle_since")
+    __slots__ = ("idle_since", "reader", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
@@ -123,12 +125,15 @@ class _IdlePool:
         return None
 
     def give_back(self, connection: _Connection) -> None:
+        """Keeps `connection` for the next request; the oldest idle one makes room, and any
+        gone stale at the far end are closed now rather than left half-open."""
         if self._limit <= 0:
             connection.abort()
             return
-        if len(self._idle) >= self._limit:
+        now = self._clock()
+        while self._idle and (len(self._idle) >= self._limit or not self._idle[0].usable(now)):
             self._idle.popleft().abort()
-        connection.idle_since = self._clock()
+        connection.idle_since = now
         self._idle.append(connection)
 
     def close(self) -> None:
@@ -140,12 +145,13 @@ class Response:
     """One answer. Its connection goes back to the pool only when the body was read to its end;
     closing it earlier resets the connection, so the engine stops working on it."""
 
-    def __init__(self, pool: _IdlePool, connection: _Connection, status: int, headers: Headers) -> None:
+    def __init__(self, pool: _IdlePool, connection: _Connection, status: int, headers: Headers,
+                 keep_alive: bool) -> None:
         self._pool = pool
         self._connection = connection
         self.status_code = status
         self.headers = headers
-        self._reusable = "close" not in headers.get("connection", "").lower()
+        self._reusable = keep_alive
         self._complete = False
         self._closed = False
         self._content: bytes | None = None
@@ -345,8 +351,9 @@ async def _read_head(pool: _IdlePool, connection: _Connection) -> Response:
             name, colon, value = line.partition(":")
             if colon:
                 key = name.strip().lower()
-                headers[key] = f"{dict.get(headers, key)}, {value.strip()}" if key in headers else value.strip()
-        return Response(pool, connection, int(status), headers)
+                headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
+        keep_alive = version == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+        return Response(pool, connection, int(status), headers, keep_alive)
     except (OSError, EOFError, ValueError, asyncio.LimitOverrunError) as exc:
         raise _engine_error("the engine sent no proper answer", exc) from exc
 

@@ -50,6 +50,7 @@ from worker.hardware import (
 from worker.hardware.nvml import find_wsl_nvml_library
 from worker.ledger import EnergyIntegrator, Ledger
 from worker.link import Backoff, Link
+from worker.loopback_http import LoopbackClient
 from worker.measure import RunMeter, aggregate, cross_check, roofline
 from worker.metrics import EngineMetrics, MetricsUnavailable, scrape
 from worker.plan import DEFAULT_FIRST_PORT, Plan, Refusal, plan
@@ -140,6 +141,7 @@ class Node(RelayHooks):
         self._link: Link | None = None
         self._relay: Relay | None = None
         self._http: httpx.AsyncClient | None = None
+        self._engine_http: LoopbackClient | None = None
         self._ledger: Ledger | None = None
         self._ledger_guard = threading.Lock()  # held while the ledger is used, so it is never used closed
         self._ledger_writes: set[asyncio.Future[Any]] = set()  # credits still being written
@@ -258,8 +260,9 @@ class Node(RelayHooks):
             self._nvml = PynvmlSource(library=find_wsl_nvml_library() if self.machine.runtime == "wsl2" else None)
         self._ledger = await asyncio.to_thread(Ledger, self.paths.ledger_file)
         await asyncio.to_thread(self._read_earnings)
-        self._http = engine_http_client()
-        self._relay = Relay(self._send, self._ready_targets, self._gate, http=self._http, hooks=self)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False)
+        self._engine_http = engine_http_client()
+        self._relay = Relay(self._send, self._ready_targets, self._gate, http=self._engine_http, hooks=self)
         try:
             url, token_provider = await self._coordinator()
             if url:
@@ -304,6 +307,8 @@ class Node(RelayHooks):
         await self._stop_engines()  # any that an assign or resume cut short by the cancel had started
         if self._http:
             await self._http.aclose()
+        if self._engine_http:
+            await self._engine_http.aclose()
         self._publish()
         await asyncio.gather(*self._ledger_writes, return_exceptions=True)
         await asyncio.to_thread(self._close_ledger)

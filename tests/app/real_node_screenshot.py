@@ -52,11 +52,12 @@ def main() -> None:
 
     QTimer.singleShot(25_000, grab)
     qapp.exec()
+    core.join(60)  # before interpreter exit, which would shut the core's thread pool under it
 
 
 def _load(node: Node, port: int) -> None:
     """Wait for ready, then a few streamed chat completions through the local endpoint."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 20
     while node.snapshot().state != "ready" and time.monotonic() < deadline:
         time.sleep(0.5)
     body = {"model": "local", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True}
