@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 DRAIN_S = 30.0
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 TICK_S = 1.0
+EARNINGS_REFRESH_S = 60.0
 IDLE_SCRAPE_S = 10.0  # engine /metrics while nothing is in flight: an idle node stays near 0 % CPU
 Subscriber = Callable[[NodeSnapshot], None]
 T = TypeVar("T")
@@ -157,6 +158,7 @@ class Node(RelayHooks):
         self._meters: dict[str, RunMeter] = {}
         self._request_engine: dict[str, str] = {}
         self._last_scrape = float("-inf")
+        self._earnings_read_at = float("-inf")
         self._engine_metrics: dict[str, EngineMetrics] = {}  # latest /metrics per engine
         self._metrics_at_ready: dict[str, EngineMetrics] = {}  # the run's baseline, for spec-decode figures
         self._token_baseline: dict[str, tuple[EngineMetrics, int]] = {}  # /metrics and relay tokens, engine idle
@@ -837,9 +839,14 @@ class Node(RelayHooks):
         return meter.snapshot(self._monotonic(), line)
 
     def _record_samples(self, rows: list[tuple[str, float | None]], now: float) -> None:
+        """Chart points every second; earnings are re-read after each credit (in `on_end`) and
+        here once a minute, for electricity and the day's rollover."""
         values = {name: value for name, value in rows if value is not None}
-        self._with_ledger(lambda ledger: ledger.record_samples(values, now))
-        self._read_earnings()
+        if values:
+            self._with_ledger(lambda ledger: ledger.record_samples(values, now))
+        if now - self._earnings_read_at >= EARNINGS_REFRESH_S:
+            self._earnings_read_at = now
+            self._read_earnings()
 
     # --- the ledger (called in a thread) ------------------------------------------------------
 
