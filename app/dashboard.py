@@ -8,6 +8,7 @@ line) survives the next snapshot.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from PySide6.QtCore import Qt, Signal
@@ -219,7 +220,9 @@ class EngineCard(QFrame):
         tier = f" · tier {engine.tier} MiB" if engine.tier else " · base settings"
         self._values.set(f"{key}.title", f"{engine.engine_id} · {engine_name} · {engine.layout} on {where}{tier}")
         self._values.set(f"{key}.state", engine.state.capitalize())
-        self.state_chip.setStyleSheet(pill_style(ENGINE_COLOURS.get(engine.state, STATE_COLOURS["idle"])))
+        chip = pill_style(ENGINE_COLOURS.get(engine.state, STATE_COLOURS["idle"]))
+        if self.state_chip.styleSheet() != chip:
+            self.state_chip.setStyleSheet(chip)
         starting = engine.phase is not None and engine.phase != "ready" and engine.state == "starting"
         self.phase_bar.setVisible(starting)
         self._values.labels[f"{key}.phase"].setVisible(starting)
@@ -293,6 +296,7 @@ class Dashboard(QMainWindow):
         bridge.snapshot_changed.connect(self.show_snapshot)
         bridge.core_failed.connect(self._on_core_failed)
         self._core_problem: Problem | None = None
+        self._shown: NodeSnapshot | None = None  # the last snapshot rendered, clock fields zeroed
         self.show_snapshot(bridge.latest)
 
     def text(self, key: str) -> str:
@@ -431,6 +435,11 @@ class Dashboard(QMainWindow):
     # rendering ----------------------------------------------------------------------------
 
     def show_snapshot(self, snapshot: NodeSnapshot) -> None:
+        """Renders a snapshot, unless all it changes is the clock (an idle node ticks each second)."""
+        visible = replace(snapshot, at=0.0, throughput=replace(snapshot.throughput, run_seconds=0.0))
+        if visible == self._shown:
+            return
+        self._shown = visible
         self._show_header(snapshot)
         self._show_problem(self._core_problem or snapshot.problem or snapshot.connection.problem)
         self._show_stats(snapshot)
@@ -443,7 +452,9 @@ class Dashboard(QMainWindow):
 
     def _show_header(self, snapshot: NodeSnapshot) -> None:
         self.values.set("state", state_title(snapshot))
-        self.state_pill.setStyleSheet(pill_style(STATE_COLOURS[tray_state(snapshot)]))
+        style = pill_style(STATE_COLOURS[tray_state(snapshot)])
+        if self.state_pill.styleSheet() != style:  # re-polishing is costly: only on a change
+            self.state_pill.setStyleSheet(style)
         parts = [pause_line(snapshot)] if snapshot.paused else []
         parts.append(snapshot.model or "No model assigned yet")
         parts.append(f"runtime {snapshot.runtime}")

@@ -120,6 +120,18 @@ def test_charts_poll_only_while_visible(dashboard, node, qtbot):
     assert not dashboard.charts.timer.isActive()
 
 
+def test_a_snapshot_that_only_moves_the_clock_is_not_rendered_again(dashboard, node, bridge, qtbot, monkeypatch):
+    first = snapshots.serving()
+    show(node, qtbot, bridge, first)
+    rendered: list[str] = []
+    monkeypatch.setattr(dashboard, "_show_stats", lambda snap: rendered.append("stats"))
+    later = replace(first, at=first.at + 1, throughput=replace(first.throughput, run_seconds=first.throughput.run_seconds + 1))
+    show(node, qtbot, bridge, later)
+    assert rendered == []
+    show(node, qtbot, bridge, replace(later, in_flight=later.in_flight + 1))
+    assert rendered == ["stats"]
+
+
 def test_charts_redraw_only_what_changed(dashboard, node, qtbot, monkeypatch):
     """An idle node's charts cost no repaints: unchanged series are not redrawn each second."""
     now = time.time()
