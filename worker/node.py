@@ -68,6 +68,7 @@ DRAIN_S = 30.0
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 TICK_S = 1.0
 EARNINGS_REFRESH_S = 60.0
+STATUS_FILE_S = 10.0  # `gpu-provider status` reads at most this stale a clock
 IDLE_SCRAPE_S = 10.0  # engine /metrics while nothing is in flight: an idle node stays near 0 % CPU
 Subscriber = Callable[[NodeSnapshot], None]
 T = TypeVar("T")
@@ -159,6 +160,8 @@ class Node(RelayHooks):
         self._request_engine: dict[str, str] = {}
         self._last_scrape = float("-inf")
         self._earnings_read_at = float("-inf")
+        self._status_written: NodeSnapshot | None = None
+        self._status_written_at = float("-inf")
         self._engine_metrics: dict[str, EngineMetrics] = {}  # latest /metrics per engine
         self._metrics_at_ready: dict[str, EngineMetrics] = {}  # the run's baseline, for spec-decode figures
         self._token_baseline: dict[str, tuple[EngineMetrics, int]] = {}  # /metrics and relay tokens, engine idle
@@ -740,7 +743,8 @@ class Node(RelayHooks):
             else:
                 await self._send_status()
             self._publish()
-            await asyncio.to_thread(self._write_status_file)
+            if self._status_file_due():
+                await asyncio.to_thread(self._write_status_file)
 
     async def _sample(self) -> None:
         """GPU telemetry, energy and chart history, once a second, off the loop."""
@@ -924,6 +928,17 @@ class Node(RelayHooks):
                 callback(snap)
             except Exception:  # a broken viewer must not stop the node
                 log.exception("a snapshot subscriber failed")
+
+    def _status_file_due(self) -> bool:
+        """Rewrite `status.json` when more than the clock changed, else every `STATUS_FILE_S`."""
+        snap = self._snapshot
+        if snap is None:
+            return False
+        visible = replace(snap, at=0.0, throughput=replace(snap.throughput, run_seconds=0.0))
+        due = visible != self._status_written or self._monotonic() - self._status_written_at >= STATUS_FILE_S
+        if due:
+            self._status_written, self._status_written_at = visible, self._monotonic()
+        return due
 
     def _write_status_file(self) -> None:
         snap = self._snapshot
