@@ -41,19 +41,27 @@ class Tray(QObject):
         self.icon.activated.connect(self._on_activated)
         self.shown_notifications: list[Notification] = []
         self._previous: NodeSnapshot | None = None
+        self._shown_state: str | None = None  # the state whose icon is up
         bridge.snapshot_changed.connect(self.on_snapshot)
         bridge.core_failed.connect(self.on_core_failed)
         self.on_snapshot(bridge.latest)
         self.rebuild_menu()
 
     def on_snapshot(self, snapshot: NodeSnapshot) -> None:
-        self.icon.setIcon(state_icon(tray_state(snapshot)))
-        self.icon.setToolTip(tooltip(snapshot))
+        """Icon and tooltip only when they change: each update is a round trip to the desktop's
+        tray host (D-Bus on Linux), and snapshots arrive every second."""
+        state, text = tray_state(snapshot), tooltip(snapshot)
+        if state != self._shown_state:
+            self._shown_state = state
+            self.icon.setIcon(state_icon(state))
+        if text != self.icon.toolTip():
+            self.icon.setToolTip(text)
         for note in notifications_between(self._previous, snapshot):
             self._notify(note)
         self._previous = snapshot
 
     def on_core_failed(self, problem: Problem) -> None:
+        self._shown_state = "failed"
         self.icon.setIcon(state_icon("failed"))
         self.icon.setToolTip(f"GPU Provider — {problem.title}")
         self._notify(Notification(problem.title, problem.message, "critical"))

@@ -99,6 +99,20 @@ def test_tooltip_and_icon_follow_the_state(bridge, node, qtbot):
     assert tray.icon.icon().pixmap(32).toImage() != idle_icon
 
 
+def test_an_unchanged_state_does_not_touch_the_icon(bridge, node, qtbot, monkeypatch):
+    tray = Tray(bridge)
+    with qtbot.waitSignal(bridge.snapshot_changed):
+        node.emit(snapshots.serving())
+    icons: list[object] = []
+    monkeypatch.setattr(tray.icon, "setIcon", icons.append)
+    with qtbot.waitSignal(bridge.snapshot_changed):
+        node.emit(snapshots.serving())
+    assert icons == []
+    with qtbot.waitSignal(bridge.snapshot_changed):
+        node.emit(snapshots.failed())
+    assert len(icons) == 1
+
+
 def test_notifications_fire_once_per_transition(bridge, node, qtbot):
     tray = Tray(bridge)
     for make in (
