@@ -8,7 +8,6 @@ line) survives the next snapshot.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TypeVar
 
 from PySide6.QtCore import Qt, Signal
@@ -436,7 +435,7 @@ class Dashboard(QMainWindow):
 
     def show_snapshot(self, snapshot: NodeSnapshot) -> None:
         """Renders a snapshot, unless all it changes is the clock (an idle node ticks each second)."""
-        visible = replace(snapshot, at=0.0, throughput=replace(snapshot.throughput, run_seconds=0.0))
+        visible = snapshot.without_clock()
         if visible == self._shown:
             return
         self._shown = visible

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ import psutil
 
 from bench.report import Figure, at_most, not_measured
 from tests.support.engines import VLLM_STANDIN
+from tests.support.processes import terminate
 from tests.worker.hardware.recorded import replay
 from worker import protocol
 from worker.localnet import ReferenceCoordinator
@@ -119,13 +119,7 @@ async def _read_node(argv: list[str], env: dict[str, str], coordinator: Referenc
         cpu_s = (after.user - before.user) + (after.system - before.system)
         return Reading(ready_s, 100.0 * cpu_s / window_s, node.memory_info().rss / 2**20, window_s)
     finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 40)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await terminate(process, 40)
 
 
 async def _one(kind: str, window_s: float) -> Reading:

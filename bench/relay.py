@@ -22,7 +22,6 @@ import json
 import os
 import pstats
 import re
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -37,6 +36,7 @@ import psutil
 from bench.relay_node import TOKEN
 from bench.report import Figure, at_least, at_most, info
 from bench.stamped_engine import API_KEY
+from tests.support.processes import terminate
 from worker import protocol
 from worker.localnet import ReferenceCoordinator
 from worker.loopback_http import LoopbackClient
@@ -118,16 +118,6 @@ async def _child(argv: list[str]) -> tuple[asyncio.subprocess.Process, str]:
     return process, line.decode().strip()
 
 
-async def _stop(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), 30)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-
-
 @dataclass
 class Rig:
     """A running engine, coordinator and node, ready for load."""
@@ -172,10 +162,10 @@ async def rig(*, tokens: int, token_delay_s: float, profile: Path | None, upstre
         await coordinator.wait_for_connections(1, timeout=60)
         yield Rig(engine_url, coordinator, node, engine, http)
     finally:
-        await _stop(node)
+        await terminate(node)
         await coordinator.stop()
         await http.aclose()
-        await _stop(engine)
+        await terminate(engine)
 
 
 def _body(tokens: int) -> dict[str, Any]:

@@ -6,7 +6,7 @@ core computes every figure; the app only renders these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 NodeState = Literal["idle", "paused", "configured", "starting", "ready", "degraded", "failed", "stopped"]
@@ -169,3 +169,7 @@ class NodeSnapshot:
     downloads: tuple[DownloadProgress, ...] = ()
     in_flight: int = 0
     notices: tuple[str, ...] = field(default=())  # one-off lines for notifications, newest last
+
+    def without_clock(self) -> NodeSnapshot:
+        """The snapshot with the fields that move every tick zeroed: equal ones look the same."""
+        return replace(self, at=0.0, throughput=replace(self.throughput, run_seconds=0.0))

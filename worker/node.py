@@ -39,6 +39,7 @@ from worker.events import (
     ThroughputSnapshot,
 )
 from worker.hardware import (
+    Gpu,
     GpuSample,
     Machine,
     NvmlError,
@@ -719,15 +720,17 @@ class Node(RelayHooks):
             in_flight=self._relay.in_flight if self._relay else 0,
         )
 
-    async def _send_status(self, force: bool = False) -> None:
-        """On every state change (or `force`); the heartbeat sends regardless."""
+    async def _send_status(self, force: bool = False) -> bool:
+        """On every state change (or `force`); the heartbeat sends regardless. True if sent
+        (the snapshot was published with it)."""
         status = self._status()
         key = (status.state, tuple((e.engine_id, e.state, e.restarts) for e in status.engines), status.last_error)
         if not force and key == self._last_status_key:
-            return
+            return False
         self._last_status_key = key
         self._publish()
         await self._send(status)
+        return True
 
     async def _ticker(self) -> None:
         last_heartbeat = self._monotonic()
@@ -737,12 +740,11 @@ class Node(RelayHooks):
             if self._pause and self._pause.until and self._clock() >= self._pause.until:
                 self._spawn(self._do_resume())
             heartbeat = self._welcome.heartbeat_s if self._welcome else 10.0
-            if self._monotonic() - last_heartbeat >= heartbeat:
+            beat = self._monotonic() - last_heartbeat >= heartbeat
+            if beat:
                 last_heartbeat = self._monotonic()
-                await self._send_status(force=True)
-            else:
-                await self._send_status()
-            self._publish()
+            if not await self._send_status(force=beat):
+                self._publish()
             if self._status_file_due():
                 await asyncio.to_thread(self._write_status_file)
 
@@ -876,21 +878,7 @@ class Node(RelayHooks):
         machine = self.machine
         engines = self._engine_views()
         lent = set(self.settings.gpus_to_lend) if self.settings.gpus_to_lend is not None else None
-        gpus = tuple(
-            GpuSnapshot(
-                index=g.index,
-                name=g.name,
-                memory_total_mib=g.memory_total_mib,
-                memory_usable_mib=g.usable_mib,
-                memory_used_mib=self._gpu_samples[g.index].memory_used_mib if g.index in self._gpu_samples else g.memory_used_mib,
-                util_pct=self._gpu_samples[g.index].util_pct if g.index in self._gpu_samples else g.util_pct,
-                temperature_c=self._gpu_samples[g.index].temperature_c if g.index in self._gpu_samples else g.temperature_c,
-                power_w=self._gpu_samples[g.index].power_w if g.index in self._gpu_samples else g.power_w,
-                power_limit_w=g.power_limit_w,
-                lent=lent is None or g.index in lent,
-            )
-            for g in (machine.gpus if machine else ())
-        )
+        gpus = tuple(self._gpu_view(g, lent) for g in (machine.gpus if machine else ()))
         earnings = self._earnings
         kwargs: dict[str, Any] = {}
         if earnings is not None:
@@ -918,6 +906,22 @@ class Node(RelayHooks):
             **kwargs,
         )
 
+    def _gpu_view(self, gpu: Gpu, lent: set[int] | None) -> GpuSnapshot:
+        """Detection's facts with the latest telemetry sample laid over them (when there is one)."""
+        live: Gpu | GpuSample = self._gpu_samples.get(gpu.index) or gpu
+        return GpuSnapshot(
+            index=gpu.index,
+            name=gpu.name,
+            memory_total_mib=gpu.memory_total_mib,
+            memory_usable_mib=gpu.usable_mib,
+            memory_used_mib=live.memory_used_mib,
+            util_pct=live.util_pct,
+            temperature_c=live.temperature_c,
+            power_w=live.power_w,
+            power_limit_w=gpu.power_limit_w,
+            lent=lent is None or gpu.index in lent,
+        )
+
     def _publish(self) -> None:
         snap = self._build_snapshot()
         self._snapshot = snap
@@ -934,7 +938,7 @@ class Node(RelayHooks):
         snap = self._snapshot
         if snap is None:
             return False
-        visible = replace(snap, at=0.0, throughput=replace(snap.throughput, run_seconds=0.0))
+        visible = snap.without_clock()
         due = visible != self._status_written or self._monotonic() - self._status_written_at >= STATUS_FILE_S
         if due:
             self._status_written, self._status_written_at = visible, self._monotonic()

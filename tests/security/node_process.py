@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.processes import terminate
 from tests.worker.hardware.recorded import replay
 from worker import protocol
 from worker.localnet import ReferenceCoordinator
@@ -77,11 +77,5 @@ async def headless_node(root: Path, coordinator_url: str, token: str, vllm: Path
     try:
         yield running
     finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 30)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await terminate(process)
         await asyncio.wait_for(reader, 10)

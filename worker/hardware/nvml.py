@@ -13,11 +13,14 @@ import glob
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 MIB = 1024 * 1024
 NOT_SUPPORTED = "Not Supported"  # NVML's answer for a reading the card does not offer: absent, not an error
 WSL_NVML_LIBRARY_GLOBS = ("/usr/lib/wsl/lib/libnvidia-ml.so.1", "/usr/lib/wsl/drivers/*/libnvidia-ml.so.1")
+
+
+T = TypeVar("T")
 
 
 class NvmlError(Exception):
@@ -228,18 +231,23 @@ class GpuProcess:
     kind: str  # "compute" or "graphics"
 
 
-def sample_gpus(source: NvmlSource) -> list[GpuSample]:
-    """One telemetry sample per GPU (measurement, the status message); [] when NVML is unusable."""
+def _each_gpu(source: NvmlSource, read: Callable[[NvmlSource, int], list[T]]) -> list[T]:
+    """`read(source, index)` for every GPU in one NVML session; [] when NVML is unusable."""
     try:
         source.init()
     except NvmlError:
         return []
     try:
-        return [_sample(source, index) for index in range(int(source.query("device_count")))]
+        return [item for index in range(int(source.query("device_count"))) for item in read(source, index)]
     except NvmlError:
         return []
     finally:
         source.shutdown()
+
+
+def sample_gpus(source: NvmlSource) -> list[GpuSample]:
+    """One telemetry sample per GPU (measurement, the status message); [] when NVML is unusable."""
+    return _each_gpu(source, lambda s, index: [_sample(s, index)])
 
 
 def _sample(source: NvmlSource, index: int) -> GpuSample:
@@ -257,18 +265,12 @@ def _sample(source: NvmlSource, index: int) -> GpuSample:
 
 def gpu_processes(source: NvmlSource) -> list[GpuProcess]:
     """Every process using a GPU (compute and graphics), for auto-pause when a game starts."""
-    try:
-        source.init()
-    except NvmlError:
-        return []
-    try:
-        found: list[GpuProcess] = []
-        for index in range(int(source.query("device_count"))):
-            for kind in ("compute", "graphics"):
-                for entry in _optional(source, f"{kind}_processes", index) or []:
-                    found.append(GpuProcess(int(entry["pid"]), index, entry.get("used_mib"), kind))
-        return found
-    except NvmlError:
-        return []
-    finally:
-        source.shutdown()
+    return _each_gpu(source, _processes)
+
+
+def _processes(source: NvmlSource, index: int) -> list[GpuProcess]:
+    return [
+        GpuProcess(int(entry["pid"]), index, entry.get("used_mib"), kind)
+        for kind in ("compute", "graphics")
+        for entry in _optional(source, f"{kind}_processes", index) or []
+    ]
