@@ -61,6 +61,8 @@ def pause_line(snapshot: NodeSnapshot, now: float | None = None) -> str:
     if not snapshot.paused:
         return ""
     why = _PAUSE_WHY.get(snapshot.pause_reason or "user", "by you")
+    if snapshot.pause_reason == "game" and snapshot.pause_detail:
+        why = f"for {snapshot.pause_detail}"
     line = f"Paused {why}"
     if snapshot.pause_until is not None and snapshot.pause_until > (now if now is not None else time.time()):
         line += " until " + clock_time(snapshot.pause_until, now)

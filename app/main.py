@@ -1,19 +1,26 @@
 """Start the desktop app: one instance per data folder, the core on its own thread, a tray icon
-(or the dashboard where there is no tray), and a Quit that stops the engines before exiting."""
+(or the dashboard where there is no tray), and a Quit that stops the engines before exiting.
+
+The data folder's lock (worker/datalock.py, held by the core) decides who runs; a local socket
+named after the owner's pid only brings its window forward. Named per process, an updated
+version's socket never collides with the one of the version it replaces, which keeps its own
+until it exits (or serves on after a rollback).
+"""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
-from PySide6.QtWidgets import QApplication, QSystemTrayIcon
+from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
 
 from app.bridge import Bridge, NodeLike
 from app.core_thread import CoreThread
@@ -25,6 +32,7 @@ from app.signin import SignInDialog
 from app.tray import Tray
 from worker import applog, autostart, secrets
 from worker.config import Paths, Settings, load_settings
+from worker.datalock import DataFolderLock, Owner, in_use_message
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +58,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def instance_name(paths: Paths) -> str:
-    """One app per data folder: two folders (tests, profiles) may run side by side."""
+def instance_name(paths: Paths, pid: int) -> str:
+    """The window-forward socket of the app with `pid` on this data folder."""
     digest = hashlib.sha256(str(paths.data_dir).encode()).hexdigest()[:16]
-    return f"gpu-provider-{digest}"
+    return f"gpu-provider-{digest}-{pid}"
 
 
 def ask_running_instance_to_show(name: str, timeout_ms: int = 500) -> bool:
@@ -70,6 +78,8 @@ def ask_running_instance_to_show(name: str, timeout_ms: int = 500) -> bool:
 
 class DesktopApp(QObject):
     """Wires the bridge to the tray, the windows and the single-instance server."""
+
+    core_finished = Signal()  # emitted on the core's thread; queued to the GUI's, where it quits
 
     def __init__(
         self,
@@ -101,6 +111,7 @@ class DesktopApp(QObject):
             self.tray.quit_requested.connect(qapp.quit)
             self.tray.icon.show()
         qapp.setQuitOnLastWindowClosed(not tray_available)
+        self.core_finished.connect(qapp.quit)
         self.logs: LogsWindow | None = None
         self.server = QLocalServer(self)
         self.server.newConnection.connect(self._on_instance_connection)
@@ -135,14 +146,18 @@ class DesktopApp(QObject):
 
 
 def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings, args: argparse.Namespace) -> int:
-    """Run the core and the GUI; whatever ends the event loop, the core is shut down and joined."""
+    """Run the core and the GUI; whatever ends the event loop, the core is shut down and joined.
+
+    A core that ends by itself (it handed over to an updated version) ends the app too. The
+    window-forward socket listens before the core takes the data folder and closes only once the
+    engines have stopped, so a second launch always finds this one."""
     desktop = DesktopApp(
         qapp, node, paths, settings, tray_available=QSystemTrayIcon.isSystemTrayAvailable(), redact=redact_token
     )
-    core = CoreThread(node.run, desktop.bridge.report_core_failure)
+    desktop.listen(instance_name(paths, os.getpid()))
+    core = CoreThread(node.run, desktop.bridge.report_core_failure, desktop.core_finished.emit)
     core.start()
     try:
-        desktop.listen(instance_name(paths))
         if desktop.tray is None or not args.minimized:
             desktop.dashboard.bring_forward()
         if secrets.get_token() is None and (args.coordinator or settings.coordinator_url) != "local":
@@ -152,11 +167,12 @@ def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings
         _quit_on_signals(qapp)
         return qapp.exec()
     finally:
-        desktop.server.close()
+        desktop.core_finished.disconnect(qapp.quit)  # the loop has ended: a later quit would outlive it
         desktop.bridge.shutdown()
         core.join(SHUTDOWN_WAIT_S)
         if core.is_alive():
             log.error("the core did not stop within %.0f s; exiting anyway", SHUTDOWN_WAIT_S)
+        desktop.server.close()
 
 
 def _quit_on_signals(qapp: QApplication) -> None:
@@ -168,15 +184,31 @@ def _quit_on_signals(qapp: QApplication) -> None:
     ticker.start(250)
 
 
+def defer_to_owner(paths: Paths, owner: Owner, quit_after: float | None = None) -> int:
+    """Another process owns the data folder: bring its window forward when it is a desktop app that
+    is running (0); otherwise say who it is and what to do (1). Nothing of the folder is touched."""
+    if owner.state == "running" and owner.pid is not None:
+        if ask_running_instance_to_show(instance_name(paths, owner.pid)):
+            log.info("GPU Provider is already running; brought its window forward")
+            return 0
+    message = in_use_message(owner)
+    print(f"gpu-provider: {message}", file=sys.stderr)
+    box = QMessageBox(QMessageBox.Icon.Information, "GPU Provider", message)
+    if quit_after is not None:
+        QTimer.singleShot(int(quit_after * 1000), box.reject)
+    box.exec()
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     paths = Paths.resolve(args.data_dir).ensure()
     existing = QApplication.instance()
     qapp = existing if isinstance(existing, QApplication) else QApplication(["gpu-provider"])
     qapp.setApplicationName("GPU Provider")
-    if ask_running_instance_to_show(instance_name(paths)):
-        log.info("GPU Provider is already running; brought its window forward")
-        return 0
+    owner = DataFolderLock(paths).owner()
+    if owner is not None:
+        return defer_to_owner(paths, owner, args.quit_after)
     from worker.node import Node  # loaded once this is known to be the only instance
 
     applog.configure(paths, console=False, verbose=args.verbose)

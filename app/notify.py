@@ -46,6 +46,7 @@ def notifications_between(previous: NodeSnapshot | None, current: NodeSnapshot) 
         found.append(Notification("Serving failed", failure_reason(current), "critical"))
     was_game = previous is not None and previous.paused and previous.pause_reason == "game"
     if current.paused and current.pause_reason == "game" and not was_game:
-        found.append(Notification("Paused for a game", "The GPU is yours; serving resumes when the game ends."))
+        game = current.pause_detail or "a game"
+        found.append(Notification(f"Paused for {game}", "The GPU is yours; serving resumes when the game ends."))
     found.extend(Notification("GPU Provider", line) for line in new_notices(previous, current))
     return found

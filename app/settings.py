@@ -100,6 +100,10 @@ class SettingsDialog(QDialog):
         self.resume_after_min.setSuffix(" min")
         self.resume_after_min.setValue(round(s.auto_resume_after_s / 60))
         form.addRow("Resume after the game has been closed for", self.resume_after_min)
+        self.ignored = QLineEdit(", ".join(s.autopause_ignored))
+        self.ignored.setPlaceholderText("e.g. obs64.exe, blender")
+        self.ignored.setToolTip("Programs that may use the GPU without pausing serving (process names, comma-separated)")
+        form.addRow("Never pause for", self.ignored)
         hours = QHBoxLayout()
         self.limit_hours = QCheckBox("Serve only from")
         self.limit_hours.setChecked(s.serve_hours is not None)
@@ -177,6 +181,7 @@ class SettingsDialog(QDialog):
             "currency": currency,
             "auto_pause_for_games": self.auto_pause.isChecked(),
             "auto_resume_after_s": float(self.resume_after_min.value() * 60),
+            "autopause_ignored": tuple(n.strip() for n in self.ignored.text().split(",") if n.strip()),
             "serve_hours": hours,
             "gpus_to_lend": None if len(lent) == len(self.gpu_boxes) else lent,
             "model_cache_dir": self.cache_dir.text().strip() or None,

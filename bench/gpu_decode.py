@@ -32,7 +32,7 @@ from worker.hardware import Machine, detect
 from worker.measure import roofline
 from worker.plan import EnginePlan, Refusal, plan
 from worker.provision.models import ensure_model
-from worker.supervise import EngineSupervisor, SupervisorTiming
+from worker.supervise import EngineSupervisor, SupervisorTiming, Target
 
 OUT = RESULTS.parent / "gpu-decode.json"
 DRY_RUN_OUT = RESULTS.parent / "gpu-decode-dry-run.json"  # a --hardware run never passes for a reading
@@ -46,14 +46,16 @@ def weight_bytes(model: Path, declared_mib: int) -> int:
     return on_disk or declared_mib * 2**20
 
 
-async def decode_rate(base_url: str, api_key: str, model: str, tokens: int) -> dict[str, Any]:
+async def decode_rate(target: Target, tokens: int) -> dict[str, Any]:
     """One streamed completion; the time of each content event is one token's arrival."""
+    base_url, api_key, model = target.base_url, target.api_key, target.served_name
     body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": tokens,
             "stream": True, "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
     arrivals: list[float] = []
     usage: dict[str, Any] = {}
     async with (
-        httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(None, connect=10)) as client,
+        httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=target.socket_path), trust_env=False,
+                          timeout=httpx.Timeout(None, connect=10)) as client,
         client.stream("POST", f"{base_url}/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {api_key}"}) as response,
     ):
@@ -97,8 +99,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         target = supervisor.target()
         if target is None:
             raise SystemExit(f"the engine did not become ready: {supervisor.snapshot().last_error}")
-        await decode_rate(target.base_url, target.api_key, target.served_name, 16)  # warm-up
-        reading = await decode_rate(target.base_url, target.api_key, target.served_name, args.tokens)
+        await decode_rate(target, 16)  # warm-up
+        reading = await decode_rate(target, args.tokens)
     finally:
         await supervisor.stop()
     bandwidths = [g.memory_bandwidth_gbps or 0.0 for g in machine.gpus if g.index in engine.gpu_indices]

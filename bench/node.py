@@ -76,24 +76,29 @@ def _environment(extra: dict[str, str]) -> dict[str, str]:
     return env | extra
 
 
-def _engine_port(status: protocol.Status) -> int | None:
+def _engine_address(status: protocol.Status) -> str | None:
+    """Where the engine listens, from its command line: its Unix socket (`--uds`) or `--port`."""
     for engine in status.engines:
-        if "--port" in engine.argv:
-            return int(engine.argv[engine.argv.index("--port") + 1])
+        for flag in ("--uds", "--port"):
+            if flag in engine.argv:
+                return engine.argv[engine.argv.index(flag) + 1]
     return None
 
 
-async def _first_health(port: int, give_up: float) -> float:
+async def _first_health(address: str, give_up: float) -> float:
     """The moment the engine first answers /health (polled every 5 ms)."""
-    async with httpx.AsyncClient(trust_env=False, timeout=0.5) as client:
+    socket_path = None if address.isdigit() else address
+    url = "http://localhost/health" if socket_path else f"http://127.0.0.1:{address}/health"
+    transport = httpx.AsyncHTTPTransport(uds=socket_path)
+    async with httpx.AsyncClient(transport=transport, trust_env=False, timeout=0.5) as client:
         while time.monotonic() < give_up:
             try:
-                if (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
+                if (await client.get(url)).status_code == 200:
                     return time.monotonic()
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(0.005)
-    raise TimeoutError(f"the engine on port {port} never answered /health")
+    raise TimeoutError(f"the engine at {address} never answered /health")
 
 
 async def _read_node(argv: list[str], env: dict[str, str], coordinator: ReferenceCoordinator,
@@ -103,12 +108,12 @@ async def _read_node(argv: list[str], env: dict[str, str], coordinator: Referenc
     try:
         give_up = time.monotonic() + START_TIMEOUT_S
         starting = await coordinator.wait_for(
-            lambda m: isinstance(m, protocol.Status) and _engine_port(m) is not None, timeout=START_TIMEOUT_S)
+            lambda m: isinstance(m, protocol.Status) and _engine_address(m) is not None, timeout=START_TIMEOUT_S)
         ready = asyncio.ensure_future(coordinator.wait_for(
             lambda m: isinstance(m, protocol.Status) and m.state == "ready", timeout=START_TIMEOUT_S))
         reported: list[float] = []
         ready.add_done_callback(lambda _: reported.append(time.monotonic()))
-        engine_ready = await _first_health(_engine_port(starting) or 0, give_up)
+        engine_ready = await _first_health(_engine_address(starting) or "0", give_up)
         await ready
         ready_s = reported[0] - engine_ready
         await asyncio.sleep(3.0)  # let start-up work settle before the idle window

@@ -196,6 +196,7 @@ def run_plan(args: argparse.Namespace, settings: Settings) -> int:
 def run_node(args: argparse.Namespace, settings: Settings) -> int:
     if not args.headless:
         return open_app(_app_arguments(args))
+    from worker.datalock import DataFolderInUse
     from worker.node import run_headless
 
     try:
@@ -204,16 +205,20 @@ def run_node(args: argparse.Namespace, settings: Settings) -> int:
         print(f"gpu-provider: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     paths = Paths.resolve(getattr(args, "data_dir", None))
-    return run_headless(
-        paths,
-        settings,
-        coordinator_url=args.coordinator or settings.coordinator_url,
-        hardware_override=Path(args.hardware) if args.hardware else None,
-        engine_bins=engine_bins,
-        model=args.model,
-        openai_port=args.openai_port,
-        verbose=args.verbose,
-    )
+    try:
+        return run_headless(
+            paths,
+            settings,
+            coordinator_url=args.coordinator or settings.coordinator_url,
+            hardware_override=Path(args.hardware) if args.hardware else None,
+            engine_bins=engine_bins,
+            model=args.model,
+            openai_port=args.openai_port,
+            verbose=args.verbose,
+        )
+    except DataFolderInUse as exc:  # another node owns the folder: it was left untouched
+        print(f"gpu-provider: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
 
 
 def _app_arguments(args: argparse.Namespace) -> list[str]:

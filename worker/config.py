@@ -8,6 +8,7 @@ other file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import platformdirs
 
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 APP_NAME = "gpu-provider"
 SETTINGS_VERSION = 1
 DEFAULT_COORDINATOR = "local"
+PRIVATE_DIR_MODE = 0o700  # the app's folders: this user only
+PRIVATE_FILE_MODE = 0o600  # logs, ledger, state, pid and status files
+_Record = TypeVar("_Record", "Settings", "State")
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,10 @@ class Paths:
         return cls.under(env) if env else cls.default()
 
     def ensure(self) -> Paths:
+        """Every folder exists and only this user can open it (0700), including ones an older
+        version made readable to all: logs, ledger and engine sockets live in them."""
         for folder in (self.config_dir, self.data_dir, self.cache_dir, self.log_dir, self.run_dir):
-            folder.mkdir(parents=True, exist_ok=True)
+            private_dir(folder)
         return self
 
     @property
@@ -100,13 +106,13 @@ class Settings:
     currency: str = "USD"
     auto_pause_for_games: bool = True
     auto_resume_after_s: float = 120.0
+    autopause_ignored: tuple[str, ...] = ()  # process names that never pause serving (a game's launcher, a tool)
     serve_hours: tuple[int, int] | None = None  # (start hour, end hour), local time; None = always
     start_at_login: bool = False
     gpus_to_lend: tuple[int, ...] | None = None  # None = every GPU
     model_cache_dir: str | None = None
     model_cache_limit_gib: float = 200.0
     allow_remote_code: bool = False
-    allow_app_owned_args: bool = False
     gpu_memory_utilization: float = 0.90
     memory_reserve_mib: int = 512
     update_channel: str = "stable"
@@ -142,18 +148,44 @@ class State:
     pause_until: float | None = None  # epoch seconds of a timed pause; None = until resumed
 
 
-def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+def private_dir(folder: Path) -> Path:
+    """`folder` (and any parent this makes) created 0700; an existing `folder` is narrowed to 0700."""
+    missing = [parent for parent in (folder, *folder.parents) if not parent.exists()]
+    for parent in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            parent.mkdir(mode=PRIVATE_DIR_MODE)
+    os.chmod(folder, PRIVATE_DIR_MODE)
+    return folder
+
+
+def private_opener(path: str, flags: int) -> int:
+    """`open(..., opener=private_opener)`: a new file is made 0600, an existing one narrowed to 0600."""
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    if hasattr(os, "fchmod"):  # POSIX; on Windows the folder's ACL is what protects the file
+        os.fchmod(fd, PRIVATE_FILE_MODE)
+    return fd
+
+
+def write_private_text(path: Path, text: str, *, durable: bool = False) -> None:
+    """Replaces `path` atomically with `text`, readable by this user only (0600) from the first byte;
+    `durable` also waits until it is on disk (for what must survive a power cut)."""
+    if not path.parent.is_dir():
+        private_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)  # mkstemp: always 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(data, out, indent=2, sort_keys=True)
-            out.flush()
-            os.fsync(out.fileno())
+            out.write(text)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    write_private_text(path, json.dumps(data, indent=2, sort_keys=True), durable=True)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -172,10 +204,10 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def _from_dict(cls: type[Any], data: dict[str, Any]) -> Any:
+def _from_dict(cls: type[_Record], data: dict[str, Any]) -> _Record:
     known = {f.name for f in fields(cls)}
     values = {k: v for k, v in data.items() if k in known}
-    for name in ("serve_hours", "gpus_to_lend"):
+    for name in ("serve_hours", "gpus_to_lend", "autopause_ignored"):
         if isinstance(values.get(name), list):
             values[name] = tuple(values[name])
     return cls(**values)

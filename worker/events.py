@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-NodeState = Literal["idle", "paused", "configured", "starting", "ready", "degraded", "failed", "stopped"]
+from worker.protocol import EngineName, Layout, State
+
+NodeState = State  # one list of states: the protocol's
 PauseReason = Literal["user", "timed", "game", "schedule", "coordinator"]
 ConnectionState = Literal[
     "disabled", "connecting", "connected", "offline", "signed_out", "banned", "taken_over", "update_required"
@@ -57,9 +59,9 @@ class ContextNumbers:
 @dataclass(frozen=True)
 class EngineSnapshot:
     engine_id: str
-    engine: Literal["vllm", "llamacpp"]
+    engine: EngineName
     gpu_indices: tuple[int, ...]
-    layout: Literal["tensor", "replica", "single"]
+    layout: Layout
     state: NodeState
     argv: tuple[str, ...] = ()  # the API key's value shown as ***
     tier: str | None = None  # the threshold applied ("24000"), None for base_args alone
@@ -156,6 +158,7 @@ class NodeSnapshot:
     paused: bool = False
     pause_reason: PauseReason | None = None
     pause_until: float | None = None
+    pause_detail: str | None = None  # what a game pause is for ("Cyberpunk2077.exe", "a full-screen app")
     assignment_id: str | None = None
     model: str | None = None
     problem: Problem | None = None

@@ -9,7 +9,9 @@ synchronous and thread-safe (one connection behind a lock); the node calls it th
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sqlite3
 import threading
 import time
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from datetime import date, datetime, timedelta, tzinfo
 from pathlib import Path
 
+from worker.config import PRIVATE_FILE_MODE, private_opener
 from worker.events import EarningsSnapshot
 from worker.protocol import Price
 
@@ -86,6 +89,15 @@ class LedgerError(Exception):
     """The ledger file cannot be used; the message says which file and what to do."""
 
 
+def _make_private(path: Path) -> None:
+    """The ledger file exists, 0600, before SQLite opens it: SQLite gives its `-wal` and `-shm`
+    files the database file's mode, so they are private too. Older, wider ones are narrowed."""
+    os.close(private_opener(str(path), os.O_RDWR | os.O_CREAT))
+    for companion in ("-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(f"{path}{companion}", PRIVATE_FILE_MODE)
+
+
 def earned(price: Price, prompt_tokens: int, completion_tokens: int) -> float:
     """What one request earns at the coordinator's price (per million tokens)."""
     return (
@@ -111,6 +123,7 @@ class Ledger:
         self._last_prune_minute: dict[str, int] = {}
         self._compacted_before: float | None = None
         try:
+            _make_private(Path(path))
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode survives an application crash; only a power cut can lose the
@@ -120,7 +133,7 @@ class Ledger:
             with self._db:
                 self._db.executescript(_SCHEMA)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, OSError) as exc:
             raise LedgerError(
                 f"the earnings ledger {path} cannot be opened ({exc}); "
                 "move it aside and restart to begin a new one"

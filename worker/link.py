@@ -1,7 +1,8 @@
 """The node's one connection to the coordinator: a websocket the app opens outward.
 
 `Link.run()` connects, sends `hello` first, hands every parsed coordinator message to the node,
-answers malformed ones with `error`, and reconnects with full-jitter exponential backoff. Close
+answers malformed ones with `error`, and reconnects with full-jitter exponential backoff until
+`close()`; `reopen()` lets a later `run()` connect again (an update that was rolled back). Close
 codes the person must act on (signed out, banned, update needed) stop the retries and are shown
 as a `ConnectionSnapshot` with an `events.Problem`.
 
@@ -134,6 +135,7 @@ class Link:
         clock: Callable[[], float] = time.monotonic,
         on_state: Callable[[events.ConnectionSnapshot], None] | None = None,
         on_disconnect: Callable[[], None] | None = None,
+        on_bad_message: Callable[[protocol.BadMessage], Awaitable[None]] | None = None,
     ) -> None:
         self.url = url
         self._token_provider = token_provider
@@ -148,9 +150,11 @@ class Link:
         self._clock = clock
         self._on_state = on_state
         self._on_disconnect = on_disconnect
+        self._on_bad_message = on_bad_message
         self._ws: ClientConnection | None = None
         self._generation = 0
         self._closing = False
+        self._running = False  # a `run()` loop is in progress
         self._wake = asyncio.Event()
         self._snapshot = events.ConnectionSnapshot(url, "connecting")
         self.welcome: protocol.Welcome | None = None
@@ -169,7 +173,17 @@ class Link:
         return self._ws is not None
 
     async def run(self) -> None:
-        """Connects and reconnects until `close()`."""
+        """Connects and reconnects until `close()`. One loop at a time: called while a loop runs
+        (one that `reopen()` kept going), it returns at once."""
+        if self._running:
+            return
+        self._running = True
+        try:
+            await self._run()
+        finally:
+            self._running = False
+
+    async def _run(self) -> None:
         problem = url_problem(self.url)
         if problem is not None:
             log.error("not connecting: %s", problem)
@@ -196,12 +210,18 @@ class Link:
             return None
 
     async def close(self) -> None:
-        """Stops `run()`; closes the connection (code 1000)."""
+        """Stops `run()` (until `reopen()`); closes the connection (code 1000)."""
         self._closing = True
         self._wake.set()
         ws = self._ws
         if ws is not None:
             await ws.close()
+
+    def reopen(self) -> None:
+        """Undoes `close()`, so that the next `run()` connects again at once (after a rolled-back
+        update the node serves on). A loop that had not yet noticed the close carries on."""
+        self._closing = False
+        self._backoff.reset()
 
     def resume_after_sign_in(self) -> None:
         """A new token is in place: connect now (ends a signed-out or banned stop)."""
@@ -293,6 +313,8 @@ class Link:
         except protocol.BadMessage as exc:
             log.warning("coordinator sent a bad message: %s", exc)
             await self.send(exc.reply())
+            if self._on_bad_message is not None:
+                await self._on_bad_message(exc)
             return
         if isinstance(message, protocol.Unknown):
             log.info("ignoring a coordinator message of unknown type %r", message.type)

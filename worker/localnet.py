@@ -6,6 +6,8 @@ it was given), records every message the node sends, can send the node anything 
 with any code), and offers an OpenAI-compatible HTTP endpoint on 127.0.0.1 that turns each HTTP
 request into a `request` frame and streams the `response.*` frames back, so a person can `curl`
 their own node. The HTTP side is stdlib asyncio streams: HTTP/1.1, keep-alive, chunked answers.
+It answers programs on this computer only: a request addressed to another host name (DNS
+rebinding) or sent by a web page from another origin is refused before it reaches the node.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import itertools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Self
@@ -36,6 +38,9 @@ DEFAULT_DEADLINE_S = 300.0
 _MAX_HTTP_BODY = protocol.MAX_FRAME_BYTES - 64 * 1024  # what still fits one `request` frame
 _TERMINAL = (protocol.ResponseEnd, protocol.ResponseError)
 _RESPONSES = (protocol.ResponseHead, protocol.ResponseChunk, protocol.ResponseEnd, protocol.ResponseError)
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+_LOOPBACK_ORIGIN = re.compile(r"https?://(?:127\.0\.0\.1|localhost|\[::1\])(?::([0-9]{1,5}))?")
+_SINGLE_HEADERS = ("host", "origin")  # a request that repeats one could show each check a different value
 
 
 class NoNode(RuntimeError):
@@ -341,9 +346,10 @@ class ReferenceCoordinator:
     # --- the OpenAI-compatible HTTP side -------------------------------------------------------
 
     async def _serve_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        port: int = writer.get_extra_info("sockname")[1]
         try:
             while True:
-                request = await _read_http_request(reader)
+                request = await _read_http_request(reader, port)
                 if request is None or not await self._answer_http(request, reader, writer):
                     break
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
@@ -418,7 +424,8 @@ class _HttpRefusal(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-async def _read_http_request(reader: asyncio.StreamReader) -> _HttpRequest | None:
+async def _read_http_request(reader: asyncio.StreamReader, port: int) -> _HttpRequest | None:
+    """The next request on the connection; refuses one from another site, which never reaches the node."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError:
@@ -427,7 +434,11 @@ async def _read_http_request(reader: asyncio.StreamReader) -> _HttpRequest | Non
     parts = request_line.split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise _HttpRefusal(400, "bad_request", "this endpoint speaks HTTP/1.1")
-    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines if ":" in line)}
+    pairs = [(k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines if ":" in line)]
+    for name in _SINGLE_HEADERS:
+        if sum(key == name for key, _ in pairs) > 1:
+            raise _HttpRefusal(400, "bad_request", f"the request repeats its {name.title()} header; send it once")
+    headers = dict(pairs)
     if "chunked" in headers.get("transfer-encoding", "").lower():
         raise _HttpRefusal(411, "length_required", "send the body with a Content-Length")
     try:
@@ -437,7 +448,56 @@ async def _read_http_request(reader: asyncio.StreamReader) -> _HttpRequest | Non
     if length > _MAX_HTTP_BODY:
         raise _HttpRefusal(413, "too_large", f"the body is over {_MAX_HTTP_BODY} bytes")
     body = await reader.readexactly(length) if length else b""
+    _refuse_other_sites(headers, port)  # after the body: closing on unread bytes would reset the answer away
     return _HttpRequest(parts[0], parts[1], headers, body)
+
+
+def host_problem(headers: Mapping[str, str], port: int) -> str | None:
+    """Why the request was not addressed to this computer's endpoint; None when it was.
+
+    A web page that rebinds its own name to 127.0.0.1 still sends that name as Host, so only
+    the loopback names (with this server's port, when one is given) are accepted."""
+    host = headers.get("host", "").strip().lower()
+    if host in {form for name in _LOOPBACK_NAMES for form in (name, f"{name}:{port}")}:
+        return None
+    if not host:
+        return f"the request has no Host header; send `Host: 127.0.0.1:{port}` (every HTTP/1.1 client does)"
+    return (f"this endpoint only answers programs on this computer; the request was addressed to {_quoted(host)}, "
+            f"not to 127.0.0.1, localhost or [::1] on port {port}, as a web page using DNS rebinding would do. "
+            f"Programs on this computer use http://127.0.0.1:{port}/v1")
+
+
+def origin_problem(headers: Mapping[str, str]) -> str | None:
+    """Why the request came from a web page that may not use the endpoint; None when it did not.
+
+    Browsers add Origin themselves, so a page cannot leave it out; programs send none. A page
+    served from this computer (any loopback port) is itself a program here, so it may."""
+    origin = headers.get("origin")
+    if origin is None:
+        return None
+    match = _LOOPBACK_ORIGIN.fullmatch(origin.strip().lower())
+    if match is not None and (match.group(1) is None or 0 < int(match.group(1)) < 65536):
+        return None
+    page = "a sandboxed page or a local file (Origin: null)" if origin.strip() == "null" \
+        else f"the web page at {_quoted(origin.strip())}"
+    return (f"this endpoint only answers programs on this computer; the request came from {page}, "
+            "and only pages served from this computer (localhost) may use it")
+
+
+def _refuse_other_sites(headers: Mapping[str, str], port: int) -> None:
+    """Raises the refusal for a request from another site; no CORS header is ever granted."""
+    problem = host_problem(headers, port)
+    if problem is not None:
+        missing = not headers.get("host", "").strip()
+        raise _HttpRefusal(400 if missing else 403, "bad_request" if missing else "forbidden", problem)
+    problem = origin_problem(headers)
+    if problem is not None:
+        raise _HttpRefusal(403, "forbidden", problem)
+
+
+def _quoted(text: str) -> str:
+    """A header's value fit for a message: quoted (control characters visible) and short."""
+    return repr(text[:100])
 
 
 async def _stream_to_http(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -535,6 +595,7 @@ async def _write_json(writer: asyncio.StreamWriter, status: int, document: Any, 
 
 DEFAULT_LOCAL_MODEL = (
     "https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF/resolve/main/qwen2.5-0.5b-instruct-q4_k_m.gguf"
+    "#sha256=74a4da8c9fdbcd15bd1f6d01d621410d31c6fc00986f5eb687824e7b93d7a9db"
 )
 DEFAULT_LOCAL_MODEL_MIB = 470
 LOCAL_ASSIGNMENT_ID = "local-1"
@@ -624,29 +685,44 @@ class LocalCoordinator:
 def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int | None = None) -> protocol.Assign:
     """The `assign` local mode sends: llama.cpp for a GGUF file (path or URL), vLLM for a model
     folder or Hugging Face repo. A local path is measured on disk (a few stat calls: call this
-    from a thread)."""
+    from a thread). A URL carries its hash as `URL#sha256=HEX`: downloads are always verified."""
     text = model or DEFAULT_LOCAL_MODEL
+    text, sha256 = _split_hash(text)
     try:
         source = parse_source(text)
     except BadSource as exc:
         raise LocalModelError(str(exc)) from None
-    gguf = source.file_name.lower().endswith(".gguf")
+    gguf = source.label.lower().endswith(".gguf")
     if source.kind == "hf" and "gguf" in source.value.lower():
         raise LocalModelError(
             f"{text!r} is a repository of GGUF files; name one file instead: "
-            "https://huggingface.co/ORG/REPO/resolve/main/FILE.gguf, or a downloaded file's path")
+            "https://huggingface.co/ORG/REPO/resolve/main/FILE.gguf#sha256=HASH, or a downloaded file's path")
+    if source.kind == "https" and sha256 is None:
+        raise LocalModelError(
+            f"{text!r} is a download without its sha256; add it as {text}#sha256=HASH (the hash the model's "
+            "page lists), or download the file and give its path")
     if not gguf and runtime not in VLLM_RUNTIMES:
         raise LocalModelError(
             f"this machine runs llama.cpp only (runtime {runtime!r}), which needs a .gguf file; "
             f"{text!r} is not one. Give a GGUF file's path or https:// URL")
-    size = weights_mib or _weights_mib(source.kind, source.value, text == DEFAULT_LOCAL_MODEL)
-    name = re.sub(r"\.gguf$", "", source.file_name, flags=re.IGNORECASE).lower()
+    size = weights_mib or _weights_mib(source.kind, source.value, model is None)
+    name = re.sub(r"\.gguf$", "", source.label, flags=re.IGNORECASE).lower()
     if gguf:
-        spec = protocol.EngineModel(source=source.value, weights_mib=size, base_args=_LLAMACPP_ARGS,
+        spec = protocol.EngineModel(source=source.value, sha256=sha256, weights_mib=size, base_args=_LLAMACPP_ARGS,
                                     tiers=_LLAMACPP_TIERS)
         return protocol.Assign(assignment_id=LOCAL_ASSIGNMENT_ID, model=protocol.ModelSpec(name=name, llamacpp=spec))
     spec = protocol.EngineModel(source=source.value, weights_mib=size, base_args=_VLLM_ARGS)
     return protocol.Assign(assignment_id=LOCAL_ASSIGNMENT_ID, model=protocol.ModelSpec(name=name, vllm=spec))
+
+
+def _split_hash(text: str) -> tuple[str, str | None]:
+    """`URL#sha256=HEX` → (URL, hex); anything else unchanged."""
+    base, marker, digest = text.partition("#sha256=")
+    if not marker:
+        return text, None
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+        raise LocalModelError(f"{digest!r} after #sha256= is not a sha256 (64 hexadecimal digits)")
+    return base, digest.lower()
 
 
 def _weights_mib(kind: str, value: str, is_default: bool) -> int:

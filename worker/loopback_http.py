@@ -1,4 +1,5 @@
-"""A lean HTTP/1.1 client for the engines this app started on 127.0.0.1: the relay's hot path.
+"""A lean HTTP/1.1 client for the engines this app started (on a Unix socket, or on 127.0.0.1):
+the relay's hot path.
 
 Why not httpx: httpx/h11 turn every HTTP chunk (one SSE event, one token) into its own event
 (~40–60 µs each), and httpcore's pool scans every connection on each request start and end,
@@ -7,7 +8,8 @@ socket read becomes one `aiter_raw` item however many chunks it holds, chunk fra
 in one pass per read, and idle connections wait in a deque: O(1) to take and to give back.
 
 Scope, on purpose: plain `http://` to `127.0.0.1` or `localhost` only (anything else is a
-`ValueError`: this is not a general-purpose client), HTTP/1.1 with keep-alive, response bodies
+`ValueError`: this is not a general-purpose client), or to the Unix socket a request names (its
+URL then gives only the Host header and the path), HTTP/1.1 with keep-alive, response bodies
 framed by `Content-Length`, `Transfer-Encoding: chunked` or the connection's end. The calls are
 the slice of httpx's API the relay makes, so tests can compare it with httpx directly.
 """
@@ -36,6 +38,8 @@ _LOOPBACK_HOSTS = {"127.0.0.1": "127.0.0.1", "localhost": "127.0.0.1"}
 _NO_BODY_STATUSES = frozenset({204, 304})
 _UNSAFE = re.compile(r"[\r\n\0]")
 
+Address = tuple[str, int] | str  # (host, port) on loopback, or a Unix socket's path
+
 
 class LoopbackHTTPError(OSError):
     """The engine could not be reached, or broke off or garbled its answer; the relay's 502."""
@@ -59,7 +63,8 @@ class Request:
 
     __slots__ = ("_head", "address", "content", "headers", "method", "url")
 
-    def __init__(self, method: str, url: str, content: bytes | None, headers: Mapping[str, str]) -> None:
+    def __init__(self, method: str, url: str, content: bytes | None, headers: Mapping[str, str],
+                 socket_path: str | None = None) -> None:
         parts = urlsplit(url)
         host = parts.hostname or ""
         if parts.scheme != "http" or host not in _LOOPBACK_HOSTS:
@@ -69,7 +74,7 @@ class Request:
         self.url = url
         self.content = content or b""
         self.headers = dict(headers)
-        self.address = (_LOOPBACK_HOSTS[host], port)
+        self.address: Address = socket_path if socket_path is not None else (_LOOPBACK_HOSTS[host], port)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._head = _request_head(method, target, f"{host}:{port}", len(self.content), self.headers)
 
@@ -264,7 +269,7 @@ def decode_chunks(buffer: bytes) -> tuple[bytes, int, bool]:
 
 
 class LoopbackClient:
-    """Keep-alive connections per engine (host, port); bytes in, bytes out, nothing else.
+    """Keep-alive connections per engine (its socket path, or host and port); bytes in, bytes out.
 
     Reads have no timeout (generations are long; the relay's deadlines bound them); connecting
     has one, so an engine that accepts nothing fails fast instead of hanging a request.
@@ -276,11 +281,12 @@ class LoopbackClient:
         self._connect_timeout_s = connect_timeout_s
         self._max_idle = max_idle_per_engine
         self._clock = clock
-        self._pools: dict[tuple[str, int], _IdlePool] = {}
+        self._pools: dict[Address, _IdlePool] = {}
 
     def build_request(self, method: str, url: str, *, content: bytes | None = None,
-                      headers: Mapping[str, str] | None = None) -> Request:
-        return Request(method, url, content, headers or {})
+                      headers: Mapping[str, str] | None = None, socket_path: str | None = None) -> Request:
+        """A request for `url`, sent through the Unix socket `socket_path` when one is given."""
+        return Request(method, url, content, headers or {}, socket_path)
 
     async def send(self, request: Request, *, stream: bool = True) -> Response:
         """Writes the request and reads the response head; the body is left to read (or, with
@@ -299,13 +305,14 @@ class LoopbackClient:
             raise
 
     async def post(self, url: str, *, content: bytes | None = None, json: Any = None,
-                   headers: Mapping[str, str] | None = None) -> Response:
+                   headers: Mapping[str, str] | None = None, socket_path: str | None = None) -> Response:
         """A whole POST (body read); `json` is encoded as UTF-8 JSON."""
         all_headers = dict(headers or {})
         if json is not None:
             content = jsonlib.dumps(json, ensure_ascii=False).encode("utf-8")
             all_headers.setdefault("Content-Type", "application/json")
-        return await self.send(self.build_request("POST", url, content=content, headers=all_headers), stream=False)
+        request = self.build_request("POST", url, content=content, headers=all_headers, socket_path=socket_path)
+        return await self.send(request, stream=False)
 
     async def aclose(self) -> None:
         for pool in self._pools.values():
@@ -319,23 +326,26 @@ class LoopbackClient:
                         traceback: TracebackType | None) -> None:
         await self.aclose()
 
-    def _pool(self, address: tuple[str, int]) -> _IdlePool:
+    def _pool(self, address: Address) -> _IdlePool:
         pool = self._pools.get(address)
         if pool is None:
             pool = self._pools[address] = _IdlePool(self._max_idle, self._clock)
         return pool
 
-    async def _connect(self, address: tuple[str, int]) -> _Connection:
-        host, port = address
+    async def _connect(self, address: Address) -> _Connection:
+        where = address if isinstance(address, str) else f"{address[0]}:{address[1]}"
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                reader, writer = await asyncio.open_connection(host, port, limit=_STREAM_LIMIT)
+                if isinstance(address, str):
+                    reader, writer = await asyncio.open_unix_connection(address, limit=_STREAM_LIMIT)
+                else:
+                    reader, writer = await asyncio.open_connection(*address, limit=_STREAM_LIMIT)
         except TimeoutError as exc:
             raise LoopbackHTTPError(
-                f"the engine at {host}:{port} accepted no connection within {self._connect_timeout_s:g} s"
+                f"the engine at {where} accepted no connection within {self._connect_timeout_s:g} s"
             ) from exc
         except OSError as exc:
-            raise _engine_error(f"could not connect to the engine at {host}:{port}", exc) from exc
+            raise _engine_error(f"could not connect to the engine at {where}", exc) from exc
         return _Connection(reader, writer)
 
 

@@ -94,6 +94,7 @@ class RunMeter:
         self.run_tokens = 0  # output tokens this run streamed, warm-up and failed requests included
         self._speeds: list[float] = []  # sorted
         self._ttfts: list[float] = []  # sorted
+        self.peak_concurrency = 0  # most measured requests in flight at once (batching when > 1)
 
     def _now(self, t: float | None) -> float:
         return self._clock() if t is None else t
@@ -106,6 +107,8 @@ class RunMeter:
         if not warmup and self._measured_since is None:
             self._measured_since = now
         self._in_flight[request_id] = _Request(started_at=now, warmup=warmup)
+        if not warmup:
+            self.peak_concurrency = max(self.peak_concurrency, sum(not r.warmup for r in self._in_flight.values()))
 
     def first_token(self, request_id: str, t: float | None = None) -> None:
         request = self._in_flight.get(request_id)
@@ -244,8 +247,9 @@ def aggregate(
 class Roofline:
     """Single-stream decode speed against the memory-bandwidth ceiling (one weight read per token).
 
-    With speculative decoding one weight read can yield several tokens, so the share is marked
-    not comparable and tokens per forward pass and the acceptance rate are given beside it.
+    With speculative decoding one weight read can yield several tokens, and under batching
+    (`concurrency` > 1) one weight read serves several requests, so in both cases the share is
+    marked not comparable; tokens per forward pass and the acceptance rate are given beside it.
     """
 
     ceiling_tokens_per_s: float
@@ -260,6 +264,7 @@ def roofline(
     bandwidths_gbps: Sequence[float],
     weight_bytes: int,
     spec: EngineMetrics | None = None,
+    concurrency: int = 1,
 ) -> Roofline | None:
     """`bandwidths_gbps`: the engine's GPUs (summed: tensor-parallel shards are read in parallel).
 
@@ -271,7 +276,7 @@ def roofline(
     ceiling = bandwidth_bytes_per_s / weight_bytes
     share = None if decode_tokens_per_s is None else decode_tokens_per_s / ceiling
     if spec is None or not spec.speculative:
-        return Roofline(ceiling_tokens_per_s=ceiling, share=share)
+        return Roofline(ceiling_tokens_per_s=ceiling, share=share, comparable=concurrency <= 1)
     return Roofline(
         ceiling_tokens_per_s=ceiling,
         share=share,

@@ -16,17 +16,20 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import httpx
 import psutil
+from pydantic import BaseModel
 
 from worker import __version__, protocol
 from worker.autopause import AutoPauser
+from worker.datalock import DataFolderInUse, DataFolderLock
 from worker.config import Paths, Settings, State, load_state, save_state
+from worker.engines import published_args
 from worker.events import (
     ConnectionSnapshot,
     DownloadProgress,
@@ -54,14 +57,14 @@ from worker.link import Backoff, Link
 from worker.loopback_http import LoopbackClient
 from worker.measure import RunMeter, aggregate, cross_check, roofline
 from worker.metrics import EngineMetrics, MetricsUnavailable, scrape
-from worker.plan import DEFAULT_FIRST_PORT, Plan, Refusal, plan
+from worker.plan import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
 from worker.procs import reap_leftovers
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
 from worker.supervise import EngineSupervisor
-from worker.update import NodeHooks, Updater, UpdateStatus, mark_hello_reached
+from worker.update import NodeHooks, Updater, UpdateStatus, mark_hello_reached, mark_started
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,7 @@ def summarise(states: list[NodeState]) -> NodeState:
 class _Pause:
     reason: str
     until: float | None  # wall-clock seconds; None = until resumed
+    detail: str | None = None  # the game auto-pause saw
 
 
 class Node(RelayHooks):
@@ -156,6 +160,7 @@ class Node(RelayHooks):
         self._assignment: protocol.Assign | None = None
         self._plan: Plan | None = None
         self._problem: Problem | None = None
+        self._refused: protocol.Refused | None = None  # the latest assignment this node would not run
         self._supervisors: dict[str, EngineSupervisor] = {}
         self._meters: dict[str, RunMeter] = {}
         self._request_engine: dict[str, str] = {}
@@ -178,7 +183,7 @@ class Node(RelayHooks):
         self._last_status_key: tuple[Any, ...] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._updater: Updater | None = None
-        self.exit_requested_by_update = False
+        self._owner = DataFolderLock(self.paths)
 
     # --- commands (any thread) ----------------------------------------------------------------
 
@@ -196,9 +201,10 @@ class Node(RelayHooks):
     def snapshot(self) -> NodeSnapshot:
         return self._snapshot or self._build_snapshot()
 
-    def pause(self, duration_s: float | None = None, reason: str = "user") -> None:
+    def pause(self, duration_s: float | None = None, reason: str = "user", detail: str | None = None) -> None:
         until = self._clock() + duration_s if duration_s else None
-        self._on_loop(lambda: self._spawn(self._do_pause(reason if not until or reason != "user" else "timed", until)))
+        why = reason if not until or reason != "user" else "timed"
+        self._on_loop(lambda: self._spawn(self._do_pause(why, until, detail)))
 
     def resume(self) -> None:
         self._on_loop(lambda: self._spawn(self._do_resume()))
@@ -236,8 +242,8 @@ class Node(RelayHooks):
         else:
             loop.call_soon_threadsafe(action)
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self._tasks.append(task)
         task.add_done_callback(self._task_done)
         return task
@@ -251,7 +257,16 @@ class Node(RelayHooks):
     # --- life -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve until `shutdown()`; engines are always stopped on the way out."""
+        """Serve until `shutdown()`; engines are always stopped on the way out. The data folder is
+        this node's from before it reads, reaps or starts anything until its engines have stopped:
+        a second node on it raises `DataFolderInUse` at once and touches nothing."""
+        self._owner.acquire()
+        try:
+            await self._serve()
+        finally:
+            self._owner.release()  # `_close` released it already, unless setting up failed
+
+    async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._engines_lock = asyncio.Lock()
@@ -280,7 +295,9 @@ class Node(RelayHooks):
                     backoff=self._backoff or Backoff(),
                     on_state=self._on_connection,
                     on_disconnect=self._on_disconnect,
+                    on_bad_message=self._on_bad_message,
                 )
+                mark_started(self.paths, __version__)  # an update waiting for this version: offline, not broken
                 self._spawn(self._link.run())
             self._updater = Updater(
                 self.paths,
@@ -299,6 +316,13 @@ class Node(RelayHooks):
 
     async def _close(self) -> None:
         log.info("stopping: draining requests and stopping engines")
+        self._owner.mark_stopping()  # a second start meanwhile is told to wait, not that we run on
+        try:
+            await self._wind_down()
+        finally:
+            self._owner.release()  # only now: the engines are gone
+
+    async def _wind_down(self) -> None:
         if self._relay and self._relay.in_flight:
             self._draining = True
             await self._relay.drain(min(DRAIN_S, 10.0), "draining")
@@ -318,7 +342,8 @@ class Node(RelayHooks):
         self._publish()
         await asyncio.gather(*self._ledger_writes, return_exceptions=True)
         await asyncio.to_thread(self._close_ledger)
-        self.paths.status_file.unlink(missing_ok=True)
+        if self._owner.held:  # after an update the new version owns the folder, and this file
+            self.paths.status_file.unlink(missing_ok=True)
 
     def _detect(self) -> Machine:
         from worker.hardware import detect
@@ -358,6 +383,7 @@ class Node(RelayHooks):
             node_id=self.state.node_id,
             app_version=__version__,
             paused=self._pause is not None,
+            engine_args=published_args(allow_remote_code=self.settings.allow_remote_code),
             **self.machine.to_detect_json(),
         )
 
@@ -376,7 +402,7 @@ class Node(RelayHooks):
         if self._relay:
             self._relay.cancel_all("coordinator connection lost")
 
-    async def _send(self, message: protocol.BaseModel) -> bool:
+    async def _send(self, message: BaseModel) -> bool:
         return bool(self._link and await self._link.send(message))
 
     async def _on_message(self, message: Any) -> None:
@@ -410,33 +436,78 @@ class Node(RelayHooks):
     # --- assignment and engines ------------------------------------------------------------
 
     async def _assign(self, assign: protocol.Assign) -> None:
+        """Plan (which validates every argument and the source) before anything stops; provision
+        the new model while the old engines keep serving; only then drain them and start anew."""
         assert self._engines_lock is not None and self.machine is not None
         async with self._engines_lock:
             if assign == self._assignment and self._supervisors and self._node_state() != "failed":
                 await self._send_status(force=True)  # re-sent after a reconnect: keep serving, no reload
                 return
-            await self._drain_and_stop()
-            self._assignment = assign
-            self._problem = None
             result = plan(self.machine, assign, self.settings, first_port=self._first_port)
             if isinstance(result, Refusal):
-                self._plan = None
-                self._problem = Problem("Assignment refused", result.reason, "none")
-                log.warning("assignment %s refused: %s", assign.assignment_id, result.reason)
-            else:
-                self._plan = result
-                log.info(
-                    "assignment %s: %s on %s (%s)",
-                    assign.assignment_id,
-                    assign.model.name,
-                    result.engine,
-                    ", ".join(f"{e.engine_id} {e.layout} gpus={list(e.gpu_indices)} tier={e.tier}" for e in result.engines),
-                )
-            self.state.last_assignment = assign.model_dump()
-            await asyncio.to_thread(save_state, self.paths, self.state)
-            await self._send_status(force=True)
-            if self._plan and not self._pause:
-                await self._start_engines()
+                if not self._serving():
+                    self._assignment = assign
+                await self._refuse(assign.assignment_id, result.reason)
+                return
+            log.info(
+                "assignment %s: %s on %s (%s)",
+                assign.assignment_id,
+                assign.model.name,
+                result.engine,
+                ", ".join(f"{e.engine_id} {e.layout} gpus={list(e.gpu_indices)} tier={e.tier}" for e in result.engines),
+            )
+            engine_plans: list[EnginePlan] | None = None
+            if not self._pause:
+                try:
+                    engine_plans = await self._provision_tracked(result)
+                except ProvisionError as exc:
+                    if self._serving():
+                        await self._refuse(assign.assignment_id, exc.problem.message)
+                        return
+                    await self._drain_and_stop()
+                    await self._adopt(assign, result, exc.problem)
+                    return
+            await self._drain_and_stop()
+            await self._adopt(assign, result, None)
+            if engine_plans is not None:
+                await self._launch(engine_plans)
+
+    async def _adopt(self, assign: protocol.Assign, accepted: Plan | None, problem: Problem | None) -> None:
+        """`assign` is now the node's assignment (its engines not started yet)."""
+        self._assignment = assign
+        self._plan = accepted
+        self._problem = problem
+        self._refused = None
+        self.state.last_assignment = assign.model_dump()
+        await asyncio.to_thread(save_state, self.paths, self.state)
+        await self._send_status(force=True)
+
+    async def _refuse(self, assignment_id: str, reason: str) -> None:
+        """A new assignment this node will not run: the one serving keeps serving, and `status`
+        says what was refused and why; a node with nothing else to serve reports `failed`."""
+        log.warning("assignment %s refused: %s", assignment_id, reason)
+        self._refused = protocol.Refused(assignment_id=assignment_id, reason=reason)
+        if not self._serving():
+            await self._drain_and_stop()
+            self._plan = None
+            self._problem = Problem("Assignment refused", reason, "none")
+            if self._assignment is not None and self._assignment.assignment_id != assignment_id:
+                self._assignment = None  # the old one no longer runs; the refused one is in `refused`
+        await self._send_status(force=True)
+
+    def _serving(self) -> bool:
+        """Some engine serves, or is on its way to (a failed or stopped one is not)."""
+        return any(s.snapshot().state not in ("failed", "stopped") for s in self._supervisors.values())
+
+    async def _on_bad_message(self, error: protocol.BadMessage) -> None:
+        """An `assign` that does not even fit the schema (a tier key of "²") is refused like any other."""
+        if error.message_type == "assign":
+            self._spawn(self._refuse_locked(error.ref or "(no assignment_id)", str(error)))
+
+    async def _refuse_locked(self, assignment_id: str, reason: str) -> None:
+        assert self._engines_lock is not None
+        async with self._engines_lock:  # never from the link's reader: an assign may hold the lock for minutes
+            await self._refuse(assignment_id, reason)
 
     async def _unassign(self) -> None:
         assert self._engines_lock is not None
@@ -445,21 +516,33 @@ class Node(RelayHooks):
             self._assignment = None
             self._plan = None
             self._problem = None
+            self._refused = None
             await self._send_status(force=True)
 
     async def _start_engines(self) -> None:
+        """Provision and start the current plan (after a resume, or a retry)."""
         assert self._plan is not None
-        self._provisioning = True
         self._problem = None  # a retry (after a resume) must not keep showing the last failure
-        self._publish()
         try:
-            engine_plans = await self._provision(self._plan)
+            engine_plans = await self._provision_tracked(self._plan)
         except ProvisionError as exc:
             self._problem = exc.problem
-            log.error("%s: %s", exc.problem.title, exc.problem.message)
             return
+        await self._launch(engine_plans)
+
+    async def _provision_tracked(self, current: Plan) -> list[EnginePlan]:
+        """`_provision`, with the node showing that it is provisioning; raises `ProvisionError`."""
+        self._provisioning = True
+        self._publish()
+        try:
+            return await self._provision(current)
+        except ProvisionError as exc:
+            log.error("%s: %s", exc.problem.title, exc.problem.message)
+            raise
         finally:
             self._provisioning = False
+
+    async def _launch(self, engine_plans: list[EnginePlan]) -> None:
         first = free_first_port(engine_plans[0].port, len(engine_plans)) if engine_plans else 0
         engine_plans = [replace(ep, port=first + i) for i, ep in enumerate(engine_plans)]
         for engine_plan in engine_plans:
@@ -474,7 +557,7 @@ class Node(RelayHooks):
             await sup.start()
         self._publish()
 
-    async def _provision(self, current: Plan) -> list[Any]:
+    async def _provision(self, current: Plan) -> list[EnginePlan]:
         """Model files (and, where missing, the engine) in place; the plans rewritten to use them."""
         executable, env = await self._engine_executable(current)
         path = await ensure_model(current.engine_model, current.engine, self.paths, self.settings, self._on_download)
@@ -546,9 +629,11 @@ class Node(RelayHooks):
 
     # --- pause ----------------------------------------------------------------------------
 
-    async def _do_pause(self, reason: str, until: float | None) -> None:
+    async def _do_pause(self, reason: str, until: float | None, detail: str | None = None) -> None:
         assert self._engines_lock is not None
-        self._pause = _Pause(reason, until)
+        self._pause = _Pause(reason, until, detail)
+        if detail:
+            self._notice(f"Paused for {detail}")
         self.state.paused, self.state.pause_until = reason in ("user", "timed"), until
         await asyncio.to_thread(save_state, self.paths, self.state)
         log.info("paused (%s)%s", reason, f" until {time.ctime(until)}" if until else "")
@@ -614,7 +699,8 @@ class Node(RelayHooks):
 
     def _ready_targets(self) -> list[EngineTarget]:
         targets = (s.target() for s in self._supervisors.values())
-        return [EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name) for t in targets if t is not None]
+        return [EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name, t.socket_path)
+                for t in targets if t is not None]
 
     def on_start(self, request_id: str, engine_id: str, t: float) -> None:
         if request_id not in self._generations:
@@ -669,10 +755,10 @@ class Node(RelayHooks):
         if self._pause is not None:
             return "paused"
         if self._assignment is None:
-            return "idle"
+            return "failed" if self._problem else "idle"
         if self._plan is None or (self._problem and not self._supervisors):
             return "failed"
-        if self._provisioning or not self._supervisors:
+        if not self._supervisors:
             return "configured"
         return summarise([s.snapshot().state for s in self._supervisors.values()])
 
@@ -684,6 +770,7 @@ class Node(RelayHooks):
             assignment_id=self._assignment.assignment_id if self._assignment else None,
             model=self._assignment.model.name if self._assignment else None,
             last_error=self._problem.message if self._problem else None,
+            refused=self._refused,
             engines=[
                 protocol.EngineStatus(
                     engine_id=e.engine_id,
@@ -724,7 +811,8 @@ class Node(RelayHooks):
         """On every state change (or `force`); the heartbeat sends regardless. True if sent
         (the snapshot was published with it)."""
         status = self._status()
-        key = (status.state, tuple((e.engine_id, e.state, e.restarts) for e in status.engines), status.last_error)
+        key = (status.state, tuple((e.engine_id, e.state, e.restarts) for e in status.engines), status.last_error,
+               status.refused)
         if not force and key == self._last_status_key:
             return False
         self._last_status_key = key
@@ -778,13 +866,12 @@ class Node(RelayHooks):
     async def _scrape_engines(self) -> None:
         """Each ready engine's /metrics: KV usage and queues for the dashboard, counters to
         cross-check what the relay counted."""
-        assert self._http is not None
         for target in self._ready_targets():
             sup = self._supervisors.get(target.engine_id)
             if sup is None:
                 continue
-            try:
-                metrics = await scrape(self._http, f"{target.base_url}/metrics", target.api_key, sup.plan.engine)
+            try:  # through the supervisor's client: it reaches the engine's socket
+                metrics = await scrape(sup.http, f"{target.base_url}/metrics", target.api_key, sup.plan.engine)
             except (MetricsUnavailable, httpx.HTTPError) as exc:
                 log.debug("engine %s: /metrics unavailable: %s", target.engine_id, exc)
                 continue
@@ -841,7 +928,8 @@ class Node(RelayHooks):
                       if g.index in sup.plan.gpu_indices and g.memory_bandwidth_gbps]
         baseline, latest = self._metrics_at_ready.get(engine_id), self._engine_metrics.get(engine_id)
         spec = latest.since(baseline) if latest is not None and baseline is not None else None
-        line = roofline(meter.per_request_tokens_per_s(), bandwidths, self._plan.engine_model.weights_mib * 2**20, spec)
+        line = roofline(meter.per_request_tokens_per_s(), bandwidths, self._plan.engine_model.weights_mib * 2**20, spec,
+                        concurrency=meter.peak_concurrency)
         return meter.snapshot(self._monotonic(), line)
 
     def _record_samples(self, rows: list[tuple[str, float | None]], now: float) -> None:
@@ -891,6 +979,7 @@ class Node(RelayHooks):
             paused=self._pause is not None,
             pause_reason=self._pause.reason if self._pause else None,  # type: ignore[arg-type]
             pause_until=self._pause.until if self._pause else None,
+            pause_detail=self._pause.detail if self._pause else None,
             assignment_id=self._assignment.assignment_id if self._assignment else None,
             model=self._assignment.model.name if self._assignment else None,
             problem=self._problem or self._connection.problem,
@@ -945,12 +1034,16 @@ class Node(RelayHooks):
         return due
 
     def _write_status_file(self) -> None:
+        """Only while this node owns the folder (during an update hand-over the new version does);
+        0600, like every file the app writes."""
         snap = self._snapshot
-        if snap is None:
+        if snap is None or not self._owner.held:
             return
         data = {"pid": os.getpid(), "version": __version__, "snapshot": asdict(snap)}
         tmp = self.paths.status_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, default=str), encoding="utf-8")
+        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+            out.write(json.dumps(data, default=str))
         os.replace(tmp, self.paths.status_file)
 
     def _on_download(self, event: DownloadProgress) -> None:
@@ -978,31 +1071,50 @@ class Node(RelayHooks):
         if status.phase == "installed":
             self._notice(f"Update {status.version} installed")
         elif status.phase == "rolled_back":
-            self._notice(f"Update {status.version} did not start and was rolled back: {status.message}")
+            self._notice(f"Update {status.version} was rolled back: {status.message}")
         self._publish()
 
     def _in_flight(self) -> int:
         return self._relay.in_flight if self._relay else 0
 
     async def _stop_serving(self) -> None:
-        """Before an update swaps the install: engines gone, link closed."""
+        """Before an update swaps the install: requests drained, engines gone, link closed and the
+        data folder given up, so that the new version can own it. The engines lock stays held until
+        `_resume_serving` (or the exit): no assign or resume starts an engine during the handover."""
         assert self._engines_lock is not None
-        async with self._engines_lock:
-            await self._drain_and_stop()
+        await self._engines_lock.acquire()
+        await self._drain_and_stop()
         if self._link:
             await self._link.close()
+        if self._local:
+            await self._local.stop()  # the new version's local coordinator needs the same ports
+        self._owner.release()
 
     async def _resume_serving(self) -> None:
-        """After a rolled-back update: reconnect and start the engines again."""
-        if self._link:
-            self._spawn(self._link.run())
+        """After a rolled-back (or refused) update: own the data folder again, reconnect, and start
+        the engines again. Another copy that took the folder meanwhile keeps it; this one stops."""
         assert self._engines_lock is not None
-        async with self._engines_lock:
+        handed_over = not self._owner.held  # else stopping failed half-way: the local coordinator still runs
+        try:
+            try:
+                self._owner.acquire()
+            except DataFolderInUse as exc:
+                log.error("after the update was rolled back, another copy owns the data folder: %s", exc)
+                self.shutdown()
+                return
+            if handed_over and self._local:
+                await self._local.start()
+                if self._link:
+                    self._link.url = self._local.ws_url
+            if self._link:
+                self._link.reopen()
+                self._spawn(self._link.run())
             if self._plan and not self._pause and not self._supervisors:
                 await self._start_engines()
+        finally:
+            self._engines_lock.release()
 
     def _exit_for_update(self) -> None:
-        self.exit_requested_by_update = True
         self.shutdown()
 
 

@@ -4,41 +4,43 @@ Pure: the rules of the protocol's Assignment section, applied to a `Machine`.
 
 - Engine by runtime: vLLM on `native`/`wsl2` (NVIDIA, compute capability ≥ 7.5), llama.cpp on
   `apple-silicon`, `windows` and `cpu`.
+- Safety first: every argument of `base_args` and of every tier must be on the engine's allowlist
+  (`worker/engines/*_args.py`), with a value of its type, before anything else is decided; then
+  the engine version must be one the app ships, and the source one it may load. The app-owned
+  flags are appended last by the engine adapter, and nothing ever goes through a shell.
+- Memory cap: a `--gpu-memory-utilization` (or `--device-memory-utilization`) in the assignment
+  leaves the args and becomes `EnginePlan.memory_cap` (the last one wins); fit and tier are then
+  judged by min(usable, cap × total) of the process's cards.
 - Layout, per vLLM group (best first): a model that fits one card (weights ≤ 90 % of its usable
   memory) but takes at least half of it runs tensor-parallel over a group of 2 or 4; otherwise one
   replica per card (groups of 8 or more always). A model too big for one card runs tensor-parallel
   over the smallest power-of-two subset that holds it, as many subsets as the group has room for.
-  llama.cpp runs one engine over a whole group (it splits by layers), or one over the Mac's GPU
-  working set, or one over RAM on a CPU machine.
+  llama.cpp runs one engine over a whole group (layout `layers`: it splits by layers), or one over
+  the Mac's GPU working set, or one over RAM on a CPU machine.
 - Tier: each engine process is judged by the memory it sees (one card, or the sum for a
   multi-GPU engine); the highest cleared threshold's args follow `base_args`. The next lower tier,
-  then `base_args` alone, are kept as fallbacks for an out-of-memory start.
-- Safety: every argument of every tier is checked before anything starts; the app-owned flags
-  are appended last by the engine adapter, and nothing ever goes through a shell.
+  then `base_args` alone, are kept as fallbacks for an out-of-memory start; they run under the
+  chosen tier's memory cap.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from worker import protocol
 from worker.config import Settings
 from worker.engines import EngineAdapter, get_adapter
-from worker.engines.base import option_name
+from worker.engines.allowlist import Allowlist
 from worker.hardware.detect import runs_vllm
 from worker.hardware.model import GpuGroup, Machine
-from worker.provision.sources import BadSource, parse_source
+from worker.provision.releases import version_problem
+from worker.provision.sources import BadSource, check_source
 
 FIT_SHARE = 0.9  # weights may take at most 90 % of the usable memory
 TENSOR_GROUP_SIZES = (2, 4)  # a model that fits one card goes tensor-parallel only here; 8+ stay replicas
 DEFAULT_FIRST_PORT = 18100
 API_KEY_SHOWN = "***"
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_SHELL = re.compile(r"[;&|`$<>]")
-_ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 
 Fallback = tuple[str | None, tuple[str, ...]]
 
@@ -68,6 +70,7 @@ class EnginePlan:
     executable: tuple[str, ...]
     model: str
     served_name: str
+    memory_cap: float | None = None  # the assignment's memory-utilization cap, taken out of `args`
 
     @property
     def tensor_parallel(self) -> int:
@@ -77,8 +80,9 @@ class EnginePlan:
     def adapter(self) -> EngineAdapter:
         return get_adapter(self.engine)
 
-    def argv(self, api_key: str, args: Sequence[str] | None = None) -> list[str]:
-        """The command line for this engine (with `args` from a fallback when retrying)."""
+    def argv(self, api_key: str, args: Sequence[str] | None = None, *, socket_path: str | None = None) -> list[str]:
+        """The command line for this engine (with `args` from a fallback when retrying; listening on
+        `socket_path` instead of the port where the supervisor gives one)."""
         return self.adapter.command(
             self.executable,
             self.model,
@@ -87,10 +91,13 @@ class EnginePlan:
             api_key=api_key,
             served_name=self.served_name,
             tensor_parallel=self.tensor_parallel,
+            socket_path=socket_path,
         )
 
-    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
-        return self.adapter.environment(base, self.gpu_indices)
+    def environment(
+        self, base: Mapping[str, str], *, api_key: str | None = None, config_home: str | None = None
+    ) -> dict[str, str]:
+        return self.adapter.environment(base, self.gpu_indices, api_key=api_key, config_home=config_home)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -116,11 +123,33 @@ class Plan:
 
 @dataclass(frozen=True)
 class _Unit:
-    """One engine process to be: its GPUs, its layout and the memory it is judged by."""
+    """One engine process to be: its GPUs, its layout, their usable memory and (where known) their
+    total memory, each summed over the GPUs as a multiple of the smallest card."""
 
     gpu_indices: tuple[int, ...]
     layout: protocol.Layout
-    memory_mib: int
+    usable_mib: int
+    total_mib: int | None = None
+
+    def judged_mib(self, cap: float | None) -> int:
+        """The memory this process is judged by: its usable memory, held to `cap` × total."""
+        return _capped(self.usable_mib, self.total_mib, cap)
+
+
+@dataclass(frozen=True)
+class _Option:
+    """`base_args` alone (threshold None) or with one tier's args, with the memory cap taken out."""
+
+    threshold: int | None
+    args: tuple[str, ...]
+    cap: float | None
+
+    @property
+    def tier(self) -> str | None:
+        return None if self.threshold is None else str(self.threshold)
+
+    def fallback(self) -> Fallback:
+        return self.tier, self.args
 
 
 def engine_for_runtime(runtime: protocol.Runtime) -> protocol.EngineName:
@@ -148,27 +177,53 @@ def plan(
             f"model {assign.model.name!r} has no {engine} build, and this machine's runtime "
             f"({machine.runtime}) runs only {engine}"
         )
-    try:
-        source = parse_source(engine_model.source)
-    except BadSource as exc:
-        return Refusal(str(exc))
     adapter = get_adapter(engine)
-    problem = check_all_args(engine_model, adapter, settings)
+    problem = check_args(engine_model, adapter.ALLOWED_ARGS, allow_remote_code=settings.allow_remote_code)
+    problem = problem or version_problem(engine, engine_model.engine_version)
     if problem:
         return Refusal(problem)
+    try:
+        source = check_source(engine_model.source, engine_model.sha256, engine)
+    except BadSource as exc:
+        return Refusal(str(exc))
     weights = engine_model.weights_mib
-    units = vllm_units(machine, weights) if engine == "vllm" else llamacpp_units(machine, weights)
+    options = _options(engine_model, adapter.ALLOWED_ARGS)
+    base_cap = options[0].cap
+    units = vllm_units(machine, weights, base_cap) if engine == "vllm" else llamacpp_units(machine, weights)
     if isinstance(units, Refusal):
         return units
     if not units:
-        return Refusal(_fits_nowhere(machine, assign.model.name, weights, engine))
+        return Refusal(_fits_nowhere(machine, assign.model.name, weights, engine, base_cap))
     model = model_path or (source.file_name if source.kind == "https" else source.value)
     exe = tuple(executable) if executable else _installed_executable(machine, engine, adapter)
     engines = tuple(
-        _engine_plan(i, unit, engine, engine_model, first_port + i, exe, model, assign.model.name)
+        _engine_plan(i, unit, engine, options, weights, first_port + i, exe, model, assign.model.name)
         for i, unit in enumerate(units)
     )
     return Plan(engine, assign.model.name, engine_model, engines, assign.assignment_id)
+
+
+def check_args(engine_model: protocol.EngineModel, allowlist: Allowlist, *, allow_remote_code: bool) -> str | None:
+    """The first argument of `base_args` or of any tier the allowlist refuses, as a reason that starts
+    `argument not allowed: FLAG` (or `value not allowed for FLAG`) and says where it was."""
+    lists = [("base_args", list(engine_model.base_args))]
+    lists += [(f"tier {threshold}", args) for threshold, args in engine_model.tier_thresholds()]
+    for where, args in lists:
+        if problem := allowlist.check(args, allow_remote_code=allow_remote_code, where=where):
+            return problem
+    return None
+
+
+def _options(engine_model: protocol.EngineModel, allowlist: Allowlist) -> list[_Option]:
+    """`base_args` alone, then base + each tier, lowest threshold first; engines take the last
+    occurrence of a flag, so the cap of base + tier is the tier's where it has one."""
+    base = list(engine_model.base_args)
+    options = [_Option(None, *allowlist.split_memory_cap(base))]
+    options += [
+        _Option(threshold, *allowlist.split_memory_cap(base + args))
+        for threshold, args in engine_model.tier_thresholds()
+    ]
+    return options
 
 
 def _installed_executable(machine: Machine, engine: str, adapter: EngineAdapter) -> tuple[str, ...]:
@@ -183,76 +238,98 @@ def _engine_plan(
     number: int,
     unit: _Unit,
     engine: protocol.EngineName,
-    engine_model: protocol.EngineModel,
+    options: list[_Option],
+    weights_mib: int,
     port: int,
     executable: tuple[str, ...],
     model: str,
     served_name: str,
 ) -> EnginePlan:
-    tier, args, fallbacks = choose_tier(engine_model, unit.memory_mib)
+    chosen, fallbacks = choose_tier(options, unit, weights_mib)
     return EnginePlan(
         engine_id=f"e{number}",
         engine=engine,
         gpu_indices=unit.gpu_indices,
         layout=unit.layout,
-        memory_mib=unit.memory_mib,
-        tier=tier,
-        args=args,
+        memory_mib=unit.judged_mib(chosen.cap),
+        tier=chosen.tier,
+        args=chosen.args,
         fallbacks=fallbacks,
         port=port,
         env={"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in unit.gpu_indices)},
         executable=executable,
         model=model,
         served_name=served_name,
+        memory_cap=chosen.cap,
     )
 
 
-def choose_tier(
-    engine_model: protocol.EngineModel, memory_mib: int
-) -> tuple[str | None, tuple[str, ...], tuple[Fallback, ...]]:
-    """The highest threshold `memory_mib` clears (tiers are not cumulative), and the fallbacks."""
-    base = tuple(engine_model.base_args)
-    cleared = [(t, args) for t, args in engine_model.tier_thresholds() if memory_mib >= t]
+def choose_tier(options: list[_Option], unit: _Unit, weights_mib: int) -> tuple[_Option, tuple[Fallback, ...]]:
+    """The highest tier whose threshold the unit's memory clears, judged under that tier's own cap
+    (and still holding the model), then the fallbacks: the next lower cleared tier, base alone."""
+    base, tiers = options[0], options[1:]
+    cleared = [
+        option for option in tiers
+        if option.threshold is not None
+        and unit.judged_mib(option.cap) >= option.threshold
+        and _fits(weights_mib, unit.judged_mib(option.cap))
+    ]
     if not cleared:
-        return None, base, ()
-    threshold, tier_args = cleared[-1]
-    fallbacks: list[Fallback] = []
-    if len(cleared) > 1:
-        lower, lower_args = cleared[-2]
-        fallbacks.append((str(lower), base + tuple(lower_args)))
-    fallbacks.append((None, base))
-    return str(threshold), base + tuple(tier_args), tuple(fallbacks)
+        return base, ()
+    fallbacks = [cleared[-2].fallback()] if len(cleared) > 1 else []
+    return cleared[-1], (*fallbacks, base.fallback())
 
 
 def _fits(weights_mib: int, memory_mib: int) -> bool:
     return weights_mib <= FIT_SHARE * memory_mib
 
 
-def vllm_units(machine: Machine, weights_mib: int) -> list[_Unit] | Refusal:
+def _capped(usable_mib: int, total_mib: int | None, cap: float | None) -> int:
+    """min(usable, cap × total); the usable figure alone where no cap or no total is known."""
+    if cap is None or total_mib is None:
+        return usable_mib
+    return min(usable_mib, int(cap * total_mib))
+
+
+def _smallest_total_mib(machine: Machine, indices: Sequence[int]) -> int | None:
+    """The smallest total memory among these cards (a group is held to its smallest member)."""
+    totals = [gpu.memory_total_mib for gpu in machine.gpus if gpu.index in indices]
+    return min(totals) if len(totals) == len(indices) and totals else None
+
+
+def vllm_units(machine: Machine, weights_mib: int, cap: float | None = None) -> list[_Unit] | Refusal:
     groups = [g for g in machine.groups if runs_vllm(g)]
     if not groups:
         return Refusal("no lent NVIDIA GPU here has compute capability 7.5 or newer, which vLLM needs")
-    units = [unit for group in groups for unit in _group_units(group, weights_mib)]
+    units = [
+        unit
+        for group in groups
+        for unit in _group_units(group, weights_mib, _smallest_total_mib(machine, group.gpu_indices), cap)
+    ]
     if len(units) == 1 and len(units[0].gpu_indices) == 1:
-        return [_Unit(units[0].gpu_indices, "single", units[0].memory_mib)]
+        return [_Unit(units[0].gpu_indices, "single", units[0].usable_mib, units[0].total_mib)]
     return units
 
 
-def _group_units(group: GpuGroup, weights_mib: int) -> list[_Unit]:
-    per_gpu, indices = group.usable_mib_per_gpu, group.gpu_indices
+def _group_units(group: GpuGroup, weights_mib: int, card_total_mib: int | None, cap: float | None) -> list[_Unit]:
+    """Layout by the memory each card is judged by (its usable memory, held to the cap)."""
+    indices = group.gpu_indices
+    per_gpu = _capped(group.usable_mib_per_gpu, card_total_mib, cap)
+
+    def unit(gpus: tuple[int, ...], layout: protocol.Layout) -> _Unit:
+        total = None if card_total_mib is None else card_total_mib * len(gpus)
+        return _Unit(gpus, layout, group.usable_mib_per_gpu * len(gpus), total)
+
     if _fits(weights_mib, per_gpu):
         if weights_mib >= per_gpu / 2 and len(indices) in TENSOR_GROUP_SIZES:
-            return [_Unit(indices, "tensor", per_gpu * len(indices))]
-        return [_Unit((i,), "replica", per_gpu) for i in indices]
+            return [unit(indices, "tensor")]
+        return [unit((i,), "replica") for i in indices]
     size = 2
     while size <= len(indices) and not _fits(weights_mib, per_gpu * size):
         size *= 2
     if size > len(indices):
         return []
-    return [
-        _Unit(indices[start : start + size], "tensor", per_gpu * size)
-        for start in range(0, len(indices) - size + 1, size)
-    ]
+    return [unit(indices[start : start + size], "tensor") for start in range(0, len(indices) - size + 1, size)]
 
 
 def llamacpp_units(machine: Machine, weights_mib: int) -> list[_Unit]:
@@ -262,16 +339,18 @@ def llamacpp_units(machine: Machine, weights_mib: int) -> list[_Unit]:
         candidates = [_Unit((), "single", machine.ram_mib)]
     else:
         candidates = [
-            _Unit(g.gpu_indices, "tensor" if len(g.gpu_indices) > 1 else "single", g.usable_mib_total)
+            _Unit(g.gpu_indices, "layers" if len(g.gpu_indices) > 1 else "single", g.usable_mib_total)
             for g in machine.groups
         ]
-    return [unit for unit in candidates if _fits(weights_mib, unit.memory_mib)]
+    return [unit for unit in candidates if _fits(weights_mib, unit.usable_mib)]
 
 
-def _fits_nowhere(machine: Machine, name: str, weights_mib: int, engine: str) -> str:
+def _fits_nowhere(machine: Machine, name: str, weights_mib: int, engine: str, cap: float | None) -> str:
     if engine == "vllm" and machine.groups:
         best = machine.groups[0]
-        where = f"{len(best.gpu_indices)} × {best.name} with {best.usable_mib_per_gpu:,} MiB usable each"
+        per_gpu = _capped(best.usable_mib_per_gpu, _smallest_total_mib(machine, best.gpu_indices), cap)
+        held = f", held to the assignment's memory cap of {cap:g}" if per_gpu < best.usable_mib_per_gpu else ""
+        where = f"{len(best.gpu_indices)} × {best.name} with {per_gpu:,} MiB usable each{held}"
     elif machine.runtime == "apple-silicon":
         where = f"the GPU working set of {machine.effective_vram_mib:,} MiB"
     elif machine.groups:
@@ -281,69 +360,4 @@ def _fits_nowhere(machine: Machine, name: str, weights_mib: int, engine: str) ->
     return (
         f"model {name!r} does not fit on this machine: its weights take {weights_mib:,} MiB, more than "
         f"{FIT_SHARE:.0%} of what any engine here could use ({where}); it was not started"
-    )
-
-
-def check_all_args(engine_model: protocol.EngineModel, adapter: EngineAdapter, settings: Settings) -> str | None:
-    """The first unsafe argument in base_args or any tier, as a reason; None when all are safe."""
-    for label, args in [("base_args", engine_model.base_args)] + [
-        (f"tier {key}", list(values)) for key, values in sorted(engine_model.tiers.items())
-    ]:
-        problem = unsafe_args(args, adapter, settings)
-        if problem:
-            return f"refused {label}: {problem}"
-    return None
-
-
-def unsafe_args(args: Sequence[str], adapter: EngineAdapter, settings: Settings) -> str | None:
-    for arg in args:
-        problem = _unsafe_text(arg) or _unsafe_flag(arg, adapter, settings)
-        if problem:
-            return problem
-    if not settings.allow_remote_code:
-        hidden = adapter.code_execution_reason(args)
-        if hidden:
-            return f"{hidden}; allow remote code in settings to run it"
-    return None
-
-
-def _unsafe_text(arg: str) -> str | None:
-    if _CONTROL.search(arg):
-        return f"argument {arg!r} contains a newline or control character"
-    if _SHELL.search(arg):
-        return f"argument {arg!r} contains shell characters (; & | ` $ < >), which no engine argument needs"
-    if _ENV_ASSIGNMENT.match(arg):
-        return f"argument {arg!r} looks like an environment variable; the app sets the engine's environment itself"
-    return None
-
-
-def _unsafe_flag(arg: str, adapter: EngineAdapter, settings: Settings) -> str | None:
-    name = option_name(arg)
-    if name is None:
-        return None
-    if _matches(name, adapter.FORBIDDEN_FLAGS, adapter) or any(
-        name.endswith(suffix) for suffix in adapter.FORBIDDEN_FLAG_SUFFIXES
-    ):
-        return (
-            f"{arg} is never allowed: it would open the engine beyond 127.0.0.1, read options or models "
-            "from elsewhere, or serve something other than the assigned model"
-        )
-    if not settings.allow_app_owned_args and _matches(name, adapter.APP_OWNED_FLAGS, adapter):
-        return (
-            f"{arg} would change what the app owns (host, port, API key, served model name, parallelism); "
-            "allow app-owned arguments in settings to accept it (the app's own values still win)"
-        )
-    if not settings.allow_remote_code and _matches(name, adapter.CODE_EXECUTION_FLAGS, adapter):
-        return f"{arg} would run code from the model repository or a plugin; allow remote code in settings to run it"
-    return None
-
-
-def _matches(name: str, flags: frozenset[str], adapter: EngineAdapter) -> bool:
-    """Exact match, or (where the engine's parser accepts abbreviations) an unambiguous-looking prefix."""
-    if name in flags:
-        return True
-    if name in adapter.ORDINARY_FLAGS or not adapter.ALLOWS_ABBREVIATIONS:
-        return False
-    return name.startswith("--") and len(name) > 3 and any(
-        flag.startswith(name) for flag in flags if flag.startswith("--")
     )

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import psutil
 
+from worker.config import PRIVATE_FILE_MODE, private_dir, private_opener, write_private_text
+
 log = logging.getLogger(__name__)
 
 LOG_RUNS_KEPT = 5
@@ -101,10 +103,7 @@ def pid_file(run_dir: Path, name: str) -> Path:
 
 
 def write_pid_file(path: Path, record: PidRecord) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record.__dict__), encoding="utf-8")
-    os.replace(tmp, path)
+    write_private_text(path, json.dumps(record.__dict__))
 
 
 def read_pid_file(path: Path) -> PidRecord | None:
@@ -277,7 +276,7 @@ class _WindowsJob:
 
 def rotate_logs(log_dir: Path, name: str, keep: int = LOG_RUNS_KEPT) -> Path:
     """`engine-NAME.log` for this run; earlier runs move to `.1.log` … `.{keep-1}.log`."""
-    log_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(log_dir)
     current = log_dir / f"engine-{name}.log"
     older = [log_dir / f"engine-{name}.{n}.log" for n in range(1, keep)]
     if older:
@@ -285,6 +284,7 @@ def rotate_logs(log_dir: Path, name: str, keep: int = LOG_RUNS_KEPT) -> Path:
         for newer, elder in zip(reversed([current, *older[:-1]]), reversed(older), strict=False):
             if newer.exists():
                 os.replace(newer, elder)
+                os.chmod(elder, PRIVATE_FILE_MODE)  # a run logged by an older, less careful version
     else:
         current.unlink(missing_ok=True)
     return current
@@ -326,7 +326,7 @@ class EngineProcess:
 
     def _pump(self) -> None:
         assert self._popen.stdout is not None
-        with open(self.log_path, "ab", buffering=0) as out:
+        with open(self.log_path, "ab", buffering=0, opener=private_opener) as out:
             for raw in self._popen.stdout:
                 out.write(raw)
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
@@ -415,7 +415,7 @@ def spawn(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, pid_pa
     Raises OSError when the program cannot be started (missing, not executable).
     """
     loop = asyncio.get_running_loop()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(log_path.parent)
     windows = os.name == "nt"
     linux = sys.platform.startswith("linux")
     popen = subprocess.Popen(  # noqa: S603 - an argument list, never a shell

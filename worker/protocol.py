@@ -8,7 +8,8 @@ on this module, so the app and its test peer can never disagree about a shape. T
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+import re
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -25,7 +26,8 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 EngineName = Literal["vllm", "llamacpp"]
 Runtime = Literal["native", "wsl2", "apple-silicon", "windows", "cpu"]
 State = Literal["idle", "paused", "configured", "starting", "ready", "degraded", "failed", "stopped"]
-Layout = Literal["tensor", "replica", "single"]
+Layout = Literal["tensor", "replica", "single", "layers"]
+TIER_KEY = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also takes "²" and "٣"
 
 # Close codes the coordinator uses; see "Connection" in the protocol.
 CLOSE_PROTOCOL_ERROR = 4400
@@ -56,15 +58,17 @@ class Pcie(_Message):
 
 
 class GpuInfo(_Message):
+    """One card; `null` is accepted for anything a card does not report (an Apple GPU has no PCIe)."""
+
     index: int
     uuid: str
     name: str
-    vendor: str = "nvidia"
+    vendor: str | None = "nvidia"
     memory_total_mib: int
     memory_free_mib: int
     compute_capability: str | None = None
-    pcie: Pcie = Pcie()
-    peer_to_peer: bool = False
+    pcie: Pcie | None = None
+    peer_to_peer: bool | None = False
     power_limit_w: float | None = None
     memory_bandwidth_gbps: float | None = None
 
@@ -73,7 +77,7 @@ class GroupInfo(_Message):
     gpu_indices: list[int]
     name: str
     usable_mib_per_gpu: int
-    peer_to_peer: bool = False
+    peer_to_peer: bool | None = False
 
 
 class CpuInfo(_Message):
@@ -98,6 +102,7 @@ class Hello(_Message):
     platform: PlatformInfo
     hardware: HardwareInfo
     engines: dict[str, str | None]
+    engine_args: dict[str, list[str]] = {}  # the flags this node accepts in assignments, per engine
     paused: bool = False
 
 
@@ -111,6 +116,7 @@ class Welcome(_Message):
     type: Literal["welcome"] = "welcome"
     node_id: str
     heartbeat_s: float = Field(default=10.0, gt=0)
+    features: list[str] = []  # what the coordinator understands beyond the base protocol ("batch")
     price: Price = Price()
 
 
@@ -132,7 +138,7 @@ class EngineModel(_Message):
     @classmethod
     def _thresholds_are_mib(cls, tiers: dict[str, list[str]]) -> dict[str, list[str]]:
         for key in tiers:
-            if not key.isdigit():
+            if not TIER_KEY.fullmatch(key):
                 raise ValueError(f"tier threshold {key!r} is not a whole number of MiB")
         return tiers
 
@@ -212,12 +218,20 @@ class GpuStatus(_Message):
     temperature_c: float | None = None
 
 
+class Refused(_Message):
+    """A new assignment this node would not run; the one before it (if any) keeps serving."""
+
+    assignment_id: str
+    reason: str
+
+
 class Status(_Message):
     type: Literal["status"] = "status"
     state: State
     assignment_id: str | None = None
     model: str | None = None
     last_error: str | None = None
+    refused: Refused | None = None
     engines: list[EngineStatus] = []
     throughput: Throughput = Throughput()
     gpus: list[GpuStatus] = []
@@ -282,6 +296,7 @@ class Update(_Message):
     url: str = Field(min_length=1)
     sha256: str
     signature: str
+    size: int | None = Field(default=None, gt=0)  # bytes, when the offer says; the download stops there
 
 
 class Error(_Message):
@@ -291,22 +306,19 @@ class Error(_Message):
     ref: str | None = None
 
 
-CoordinatorMessage = Annotated[
-    Welcome | Assign | Unassign | Pause | Resume | Request | Cancel | Update | Error,
-    Field(discriminator="type"),
-]
-NodeMessage = Annotated[
-    Hello | Status | ResponseHead | ResponseChunk | ResponseEnd | ResponseError | Error,
-    Field(discriminator="type"),
-]
-_FROM_COORDINATOR: TypeAdapter[Any] = TypeAdapter(CoordinatorMessage)
-_FROM_NODE: TypeAdapter[Any] = TypeAdapter(NodeMessage)
+CoordinatorMessage = Welcome | Assign | Unassign | Pause | Resume | Request | Cancel | Update | Error
+NodeMessage = Hello | Status | ResponseHead | ResponseChunk | ResponseEnd | ResponseError | Error
+_FROM_COORDINATOR: TypeAdapter[CoordinatorMessage] = TypeAdapter(
+    Annotated[CoordinatorMessage, Field(discriminator="type")]
+)
+_FROM_NODE: TypeAdapter[NodeMessage] = TypeAdapter(Annotated[NodeMessage, Field(discriminator="type")])
 _COORDINATOR_TYPES = frozenset(
     {"welcome", "assign", "unassign", "pause", "resume", "request", "cancel", "update", "error"}
 )
 _NODE_TYPES = frozenset(
     {"hello", "status", "response.head", "response.chunk", "response.end", "response.error", "error"}
 )
+_Parsed = TypeVar("_Parsed")
 
 
 class Unknown(BaseModel):
@@ -319,9 +331,10 @@ class Unknown(BaseModel):
 class BadMessage(Exception):
     """A frame that is not JSON, too large, or does not fit its schema: answered with `error`."""
 
-    def __init__(self, message: str, ref: str | None = None) -> None:
+    def __init__(self, message: str, ref: str | None = None, message_type: str | None = None) -> None:
         super().__init__(message)
         self.ref = ref
+        self.message_type = message_type  # the frame's "type", when it had one
 
     def reply(self) -> Error:
         return Error(code="bad_message", message=str(self), ref=self.ref)
@@ -350,14 +363,14 @@ def _ref(data: dict[str, Any]) -> str | None:
     return ref if isinstance(ref, str) else None
 
 
-def _parse(frame: str | bytes, adapter: TypeAdapter[Any], known: frozenset[str]) -> Any:
+def _parse(frame: str | bytes, adapter: TypeAdapter[_Parsed], known: frozenset[str]) -> _Parsed | Unknown:
     data = _decode(frame)
     if data["type"] not in known:
         return Unknown(type=data["type"])
     try:
         return adapter.validate_python(data)
     except (ValidationError, RecursionError) as exc:
-        raise BadMessage(_summarise(exc, data["type"]), _ref(data)) from None
+        raise BadMessage(_summarise(exc, data["type"]), _ref(data), data["type"]) from None
 
 
 def _summarise(exc: Exception, message_type: str) -> str:
@@ -370,12 +383,12 @@ def _summarise(exc: Exception, message_type: str) -> str:
     return f"invalid {message_type!r} message: nested too deeply"
 
 
-def parse_from_coordinator(frame: str | bytes) -> Any:
+def parse_from_coordinator(frame: str | bytes) -> CoordinatorMessage | Unknown:
     """A frame the node received → a typed message or `Unknown`; raises `BadMessage`."""
     return _parse(frame, _FROM_COORDINATOR, _COORDINATOR_TYPES)
 
 
-def parse_from_node(frame: str | bytes) -> Any:
+def parse_from_node(frame: str | bytes) -> NodeMessage | Unknown:
     """A frame the coordinator received → a typed message or `Unknown`; raises `BadMessage`."""
     return _parse(frame, _FROM_NODE, _NODE_TYPES)
 

@@ -1,9 +1,14 @@
-"""The relay: a coordinator `request` → an engine on 127.0.0.1 → `response.*` frames back.
+"""The relay: a coordinator `request` → a local engine (its Unix socket, or 127.0.0.1) →
+`response.*` frames back.
 
 Every request the relay accepts ends with exactly one terminal message (`response.end` or
 `response.error`), whatever happens: the whole exchange runs in one task whose last act sends
 that message. The one exception is a coordinator that is gone: then the engine request is
 closed (so no GPU time goes to an answer nobody will receive) and nothing is sent.
+
+A body that gives media by URL (`image_url: "http://192.168.1.1/…"`) is refused before it
+reaches the engine, which would otherwise fetch it from the provider's home network: media come
+inline, as `data:` URLs.
 
 The relay never retries a generation. Its hot path only queues the engine's reads; a per-request
 sender task cuts what has piled up at SSE event boundaries (so a multi-byte character is never
@@ -40,6 +45,12 @@ _MAX_HELD_BYTES = 1 << 20  # an "event" this long without a blank line is relaye
 _PATH = re.compile(r"^/v1/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*(\?[A-Za-z0-9._~!$&'()*+,;=:@%/?-]*)?$")
 _EVENT_SEPARATOR = re.compile(rb"(\r?\n\r?\n)")
 _USAGE_KEY = b'"usage"'
+# Where a body names media: keys whose string value is a URL (OpenAI, responses and Anthropic
+# forms), and media objects (inline base64 and plain fields). Only inline data passes.
+_URL_KEYS = frozenset({"url", "image_url", "audio_url", "video_url", "file_url"})
+_MEDIA_OBJECTS = frozenset({"input_audio", "file"})
+_URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
+MAX_BODY_DEPTH = 64
 
 _GATE_MESSAGES: dict[str, str] = {
     "paused": "this node is paused by its owner; send the request to another node",
@@ -53,9 +64,10 @@ class EngineTarget:
     """Where one ready engine listens, and how to talk to it."""
 
     engine_id: str
-    base_url: str  # http://127.0.0.1:PORT
+    base_url: str  # http://127.0.0.1:PORT, or only the Host (http://localhost) for a socket
     api_key: str
     served_model_name: str
+    socket_path: str | None = None  # the engine's Unix socket, when it listens on one
 
 
 class RelayHooks:
@@ -381,7 +393,7 @@ class Relay:
             self._refusing = None
 
     def _refusal(self, request: protocol.Request) -> protocol.ResponseError | None:
-        problem = _unrelayable(request.method, request.path)
+        problem = _unrelayable(request.method, request.path) or media_by_url(request.body)
         if problem is not None:
             return protocol.ResponseError(id=request.id, status=400, code="bad_request", message=problem)
         code = self._refusing or self._gate()
@@ -436,6 +448,7 @@ class Relay:
         upstream = self._http.build_request(
             request.method, target.base_url.rstrip("/") + request.path,
             content=content, headers=_engine_headers(target.api_key, content is not None),
+            socket_path=target.socket_path,
         )
         response: Response | None = None
         try:
@@ -514,6 +527,37 @@ def _unrelayable(method: str, path: str) -> str | None:
     if not _PATH.match(path) or ".." in segments or any("\\" in s for s in segments):
         return f"only paths under /v1/ are relayed, not {path!r}"
     return None
+
+
+def media_by_url(body: Any) -> str | None:
+    """Why `body` would make the engine fetch something, or None (pure).
+
+    Anywhere in the body (`messages[*].content[*]`, a responses `input`, an Anthropic `source`,
+    a rerank document): the string value of a URL key must be a `data:` URL, and no string inside
+    a media object (`input_audio`, `file`) may be a URL. Anything nested deeper than
+    `MAX_BODY_DEPTH` is refused unread."""
+    stack: list[tuple[Any, str, str | None, bool, int]] = [(body, "body", None, False, 0)]
+    while stack:
+        value, where, key, in_media, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            return f"the request body is nested more than {MAX_BODY_DEPTH} levels deep"
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}", k, in_media or k in _MEDIA_OBJECTS, depth + 1) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", None, in_media, depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str) and _fetched(value, key in _URL_KEYS, in_media):
+            return (f"{where[:160]} gives media by URL; this node never fetches from the network for a request: "
+                    "send the media inline as a data: URL (data:image/png;base64,…)")
+    return None
+
+
+def _fetched(text: str, url_key: bool, in_media: bool) -> bool:
+    """A string the engine would fetch: a URL key's value that is not a `data:` URL, or a URL
+    (`scheme://…`) inside a media object."""
+    stripped = text.strip()
+    if stripped[:5].lower() == "data:":
+        return False
+    return url_key or (in_media and _URL_SCHEME.match(stripped) is not None and "://" in stripped)
 
 
 def _asks_stream(body: Any) -> bool:

@@ -20,6 +20,8 @@ def read_status(paths: Paths) -> dict[str, Any] | None:
         data = json.loads(paths.status_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    if not isinstance(data, dict):
+        return None
     pid = data.get("pid")
     if not isinstance(pid, int) or not psutil.pid_exists(pid):
         return None

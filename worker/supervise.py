@@ -3,7 +3,14 @@
 States follow the protocol: configured → starting → ready; degraded (serving, a health check
 failing); failed (gave up, the reason in `last_error`); stopped. Every change is reported with a
 reason. The decisions (what to do after an attempt ended) are pure functions; the process edge
-is `worker.procs`; HTTP goes to 127.0.0.1 only, with this run's random API key.
+is `worker.procs`.
+
+Only the app can reach an engine: where the platform has Unix sockets the engine listens on one,
+in a folder only this user can open (vLLM `--uds`, llama-server `--host PATH.sock`), and every
+request of the supervisor, the relay and the metrics scrape goes through it; elsewhere on
+127.0.0.1 and a port. Either way with this run's random API key, given in the environment (any
+local user can read a command line), and with the engine's user config looked up in a folder the
+app owns.
 
 Ready means `/v1/models` names the served model *and* a few tokens of a real completion came
 back in time: a listening port is never enough. While serving, an engine that stops answering
@@ -19,6 +26,8 @@ import dataclasses
 import logging
 import os
 import secrets
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +38,7 @@ from typing import Any, Literal, NamedTuple
 import httpx
 
 from worker import procs
-from worker.config import Paths
+from worker.config import Paths, private_dir
 from worker.engines.base import (
     ContextSize,
     ContextTooLong,
@@ -49,6 +58,10 @@ log = logging.getLogger(__name__)
 
 PROBE_PROMPT = "Hello"
 ERROR_LINES_SHOWN = 8
+UNIX_SOCKETS = os.name == "posix"  # Windows (and vLLM inside WSL2, reached from Windows) keep TCP
+# A socket path must fit `sun_path` with its NUL: 108 bytes on Linux, 104 on macOS.
+SOCKET_PATH_MAX_BYTES = 103
+SOCKET_HOST_URL = "http://localhost"  # the Host an engine on a Unix socket is asked as
 
 EventCallback = Callable[[EngineSnapshot, str], None]
 
@@ -82,12 +95,32 @@ class SupervisorTiming:
 
 
 class Target(NamedTuple):
-    """Where the relay forwards: the engine on 127.0.0.1 and this run's key."""
+    """Where the relay forwards: the engine's Unix socket (`socket_path`, with `base_url` giving
+    only the Host) or 127.0.0.1 and its port, and this run's key."""
 
     base_url: str
     api_key: str
     served_name: str
     engine_id: str
+    socket_path: str | None = None
+
+
+def engine_home(paths: Paths) -> Path:
+    """The app's private folder (0700) for its engines: their sockets, and the user config folder
+    they are pointed at (kept empty, so no config file of the user's reaches them)."""
+    return private_dir(paths.run_dir / "engines")
+
+
+def socket_path_for(home: Path, engine_id: str) -> tuple[Path, Path | None]:
+    """(the engine's socket path, a temporary folder to remove afterwards or None).
+
+    The socket lives in `home`; when that path would not fit `sun_path`, in a fresh private
+    temporary folder instead (mkdtemp makes it 0700)."""
+    path = home / f"{engine_id}.sock"
+    if len(os.fsencode(path)) <= SOCKET_PATH_MAX_BYTES:
+        return path, None
+    folder = Path(tempfile.mkdtemp(prefix="gpu-provider-"))
+    return folder / f"{engine_id}.sock", folder
 
 
 EndKind = Literal["oom", "context", "crashed", "unhealthy", "timeout", "unstartable"]
@@ -172,7 +205,9 @@ class EngineSupervisor:
                  sleep: Callable[[float], Any] = asyncio.sleep, clock: Callable[[], float] = time.monotonic,
                  key_factory: Callable[[], str] = lambda: secrets.token_hex(24),  # never starts with "-" (argparse)
                  base_env: Mapping[str, str] | None = None, gpu_released: procs.GpuReleased | None = None,
-                 http: httpx.AsyncClient | None = None):
+                 http: httpx.AsyncClient | None = None, unix_socket: bool | None = None):
+        """`http` is used for an engine on a TCP port; one on a Unix socket gets its own client.
+        `unix_socket` None follows the platform (`UNIX_SOCKETS`); False keeps an engine on 127.0.0.1."""
         self.plan = plan
         self.adapter = plan.adapter
         self._paths = paths
@@ -184,11 +219,17 @@ class EngineSupervisor:
         self._key_factory = key_factory
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._gpu_released = gpu_released
-        self._http = http or httpx.AsyncClient(trust_env=False)
-        self._owns_http = http is None
+        self._http = http
+        self._owns_http = False
+        self._unix_socket = UNIX_SOCKETS if unix_socket is None else unix_socket
+        self._socket_path: Path | None = None
+        self._temp_folder: Path | None = None
+        self._config_home: Path | None = None
+        self._base_url = f"http://127.0.0.1:{plan.port}"
         self._snapshot = EngineSnapshot(
             engine_id=plan.engine_id, engine=plan.engine, gpu_indices=tuple(plan.gpu_indices), layout=plan.layout,
-            state="configured", tier=plan.tier, memory_mib=plan.memory_mib, port=plan.port)
+            state="configured", tier=plan.tier, memory_mib=plan.memory_mib,
+            port=None if self._unix_socket else plan.port)
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._process: procs.EngineProcess | None = None
@@ -207,7 +248,15 @@ class EngineSupervisor:
         """Where to send requests now; None unless the engine is ready (or degraded but serving)."""
         if self._snapshot.state not in ("ready", "degraded") or self._api_key is None:
             return None
-        return Target(f"http://127.0.0.1:{self.plan.port}", self._api_key, self.plan.served_name, self.plan.engine_id)
+        socket_path = str(self._socket_path) if self._socket_path is not None else None
+        return Target(self._base_url, self._api_key, self.plan.served_name, self.plan.engine_id, socket_path)
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """A client that reaches this engine at `target().base_url` (through its socket, if it has one)."""
+        if self._http is None:
+            raise RuntimeError("the supervisor has no client before start()")
+        return self._http
 
     @property
     def run_id(self) -> str | None:
@@ -243,7 +292,21 @@ class EngineSupervisor:
         """Begin supervising (returns at once; follow the events or `wait_for_state`)."""
         if self._task is not None and not self._task.done():
             return
+        self._prepare_listener()
         self._task = asyncio.create_task(self._supervise(), name=f"supervise-{self.plan.engine_id}")
+
+    def _prepare_listener(self) -> None:
+        """The private folder; the socket path and a client of its own where sockets are used."""
+        if self._config_home is not None:
+            return
+        self._config_home = engine_home(self._paths)
+        if self._unix_socket:
+            self._socket_path, self._temp_folder = socket_path_for(self._config_home, self.plan.engine_id)
+            self._base_url = SOCKET_HOST_URL
+            transport = httpx.AsyncHTTPTransport(uds=str(self._socket_path))
+            self._http, self._owns_http = httpx.AsyncClient(transport=transport, trust_env=False), True
+        elif self._http is None:
+            self._http, self._owns_http = httpx.AsyncClient(trust_env=False), True
 
     async def stop(self, reason: str = "stopped") -> None:
         """Stop the engine (graceful, then forced) and wait until it and its GPU memory are gone.
@@ -255,9 +318,17 @@ class EngineSupervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self._stop_process()
+        self._remove_socket()
+        if self._temp_folder is not None:
+            shutil.rmtree(self._temp_folder, ignore_errors=True)
         self._set("stopped", reason)
-        if self._owns_http:
+        if self._owns_http and self._http is not None:
             await self._http.aclose()
+
+    def _remove_socket(self) -> None:
+        """A socket file left by an engine that is gone: the next one could not bind its path."""
+        if self._socket_path is not None:
+            self._socket_path.unlink(missing_ok=True)
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -298,8 +369,12 @@ class EngineSupervisor:
         """Run one engine process until it ends or must be restarted; it is stopped on return."""
         self._api_key = self._key_factory()
         self._facts = _AttemptFacts()
-        argv = self.plan.argv(self._api_key, args)
-        env = {**self.plan.environment(self._base_env), **dict(self.plan.env)}
+        self._remove_socket()
+        socket_path = str(self._socket_path) if self._socket_path is not None else None
+        argv = self.plan.argv(self._api_key, args, socket_path=socket_path)
+        assert self._config_home is not None, "start() prepares the private folder"
+        env = {**self.plan.environment(self._base_env, api_key=self._api_key, config_home=str(self._config_home)),
+               **dict(self.plan.env)}
         log_path = procs.rotate_logs(self._paths.log_dir, self.plan.engine_id)
         started = self._clock()
         self._set("starting", reason, tier=tier, argv=tuple(self.adapter.mask_argv(argv)), phase="launching",
@@ -384,11 +459,11 @@ class EngineSupervisor:
         return {"Authorization": f"Bearer {self._api_key}"}
 
     def _url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.plan.port}{path}"
+        return f"{self._base_url}{path}"
 
     async def _get_json(self, path: str) -> Any:
-        response = await self._http.get(self._url(path), headers=self._headers(),
-                                        timeout=self._timing.request_timeout_s)
+        response = await self.http.get(self._url(path), headers=self._headers(),
+                                       timeout=self._timing.request_timeout_s)
         response.raise_for_status()
         return response.json()
 
@@ -399,7 +474,7 @@ class EngineSupervisor:
             cards = [card for card in models.get("data", []) if card.get("id") == self.plan.served_name]
             if not cards:
                 return False
-            response = await self._http.post(
+            response = await self.http.post(
                 self._url("/v1/completions"), headers=self._headers(), timeout=self._timing.probe_timeout_s,
                 json={"model": self.plan.served_name, "prompt": PROBE_PROMPT,
                       "max_tokens": self._timing.probe_max_tokens, "temperature": 0})
@@ -482,7 +557,7 @@ class EngineSupervisor:
 
     async def _health_problem(self) -> str | None:
         try:
-            response = await self._http.get(self._url("/health"), timeout=self._timing.request_timeout_s)
+            response = await self.http.get(self._url("/health"), timeout=self._timing.request_timeout_s)
         except httpx.HTTPError as exc:
             return type(exc).__name__
         return None if response.status_code == 200 else f"HTTP {response.status_code}"

@@ -85,6 +85,8 @@ def test_paused_and_idle(dashboard, node, bridge, qtbot):
     show(node, qtbot, bridge, snapshots.paused_for_game())
     assert dashboard.text("state") == "Paused"
     assert dashboard.text("subtitle").startswith("Paused for a game")
+    show(node, qtbot, bridge, replace(snapshots.paused_for_game(), pause_detail="Cyberpunk2077.exe"))
+    assert dashboard.text("subtitle").startswith("Paused for Cyberpunk2077.exe")
     dashboard.pause_button.click()
     show(node, qtbot, bridge, snapshots.idle())
     dashboard.pause_button.click()

@@ -37,6 +37,7 @@ def test_round_trip_saves_applies_and_reloads(qtbot, paths, bridge, node, login_
     dialog.cache_limit.setText("120")
     dialog.start_at_login.setChecked(True)
     dialog.channel.setCurrentText("beta")
+    dialog.ignored.setText(" obs64.exe,, blender ")
     dialog.save_button.click()
 
     saved = load_settings(paths)
@@ -50,11 +51,13 @@ def test_round_trip_saves_applies_and_reloads(qtbot, paths, bridge, node, login_
     assert saved.start_at_login and login_item.is_enabled()
     assert saved.update_channel == "beta"
     assert saved.allow_remote_code is False
+    assert saved.autopause_ignored == ("obs64.exe", "blender")
     assert node.commands == [("apply_settings", saved)]
     assert dialog.result() == SettingsDialog.DialogCode.Accepted
 
     again = dialog_for(qtbot, paths, bridge, login_item, saved)
     assert again.price.text() == "0.31" and again.hours_from.value() == 22 and not again.gpu_boxes[1].isChecked()
+    assert again.ignored.text() == "obs64.exe, blender"
 
 
 def test_bad_input_is_explained_and_nothing_is_lost(qtbot, paths, bridge, node, login_item):

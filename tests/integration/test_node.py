@@ -20,12 +20,12 @@ from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pytest
 
+from tests.support.engines import engine_client
 from tests.worker.hardware.recorded import replay
-from worker import protocol
+from worker import protocol, supervise
 from worker.config import Paths, Settings
 from worker.events import NodeSnapshot
 from worker.ledger import earned
@@ -80,6 +80,7 @@ def hardware_file(folder: Path, fixture: str) -> Path:
 def model_folder(folder: Path) -> Path:
     model = folder / "fake-model"
     model.mkdir(exist_ok=True)
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}', encoding="utf-8")
     (model / "model.safetensors").write_bytes(b"\0" * 1024)
     return model
 
@@ -242,15 +243,18 @@ async def test_assign_reaches_ready_with_the_kv_budget_and_masked_key(tmp_path: 
             assert engine.kv_cache_tokens == 445888 and engine.kv_cache_gib == 61.23
             assert engine.max_concurrency == pytest.approx(445888 / 4096, abs=0.01)
             assert engine.max_model_len == 4096  # what /v1/models declared
-            assert engine.argv[engine.argv.index("--api-key") + 1] == "***"
+            assert "--api-key" not in engine.argv and "--port" not in engine.argv
             assert engine.argv[engine.argv.index("--host") + 1] == "127.0.0.1"
+            target = run.engine_target(engine.engine_id)
+            assert engine.argv[engine.argv.index("--uds") + 1] == target.socket_path
             assert str(model) in engine.argv
-            key = run.engine_target(engine.engine_id).api_key
-            assert not any(key in arg for arg in engine.argv)
-        assert [e.port for e in run.node.snapshot().engines] == [run.first_port, run.first_port + 1]
+            assert not any(target.api_key in arg for arg in engine.argv)
+        assert [e.port for e in run.node.snapshot().engines] == [None, None]  # on Unix sockets, not ports
 
 
-async def test_a_port_another_program_holds_is_skipped(tmp_path: Path, vllm_standin: Path) -> None:
+async def test_a_port_another_program_holds_is_skipped(tmp_path: Path, vllm_standin: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervise, "UNIX_SOCKETS", False)  # ports matter where engines are on TCP (Windows)
     async with running_node(tmp_path, vllm(vllm_standin)) as run:
         await run.status("idle")
         with socket.socket() as squatter:
@@ -268,7 +272,7 @@ async def test_streamed_completion_relayed_byte_for_byte_with_usage(tmp_path: Pa
         await run.status("ready")
         relayed = await run.ask(STREAM)
         target = run.engine_target("e0")
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with engine_client(target.socket_path) as client:
             direct = await client.post(f"{target.base_url}/v1/chat/completions", json={**STREAM, "model": "fake-8b"},
                                        headers={"Authorization": f"Bearer {target.api_key}"}, timeout=10)
         assert relayed.error is None and relayed.head is not None
@@ -459,6 +463,53 @@ async def test_refused_assignment_fails_with_the_reason_and_starts_nothing(tmp_p
         snap = run.node.snapshot()
         assert snap.state == "failed" and snap.engines == () and run.engine_pids == set()
         assert snap.problem is not None and "--host" in snap.problem.message
+
+
+async def test_a_refused_replacement_leaves_the_running_engine_serving(tmp_path: Path, vllm_standin: Path) -> None:
+    """Closed world, before anything stops: a hostile `assign` is refused while the old one serves on."""
+    model = model_folder(tmp_path)
+    async with running_node(tmp_path, vllm(vllm_standin), assign=vllm_assign(model)) as run:
+        await run.status("ready")
+        [serving] = run.node.snapshot().engines
+        mark = run.mark()
+        await run.coordinator.send(vllm_assign(model, "a-2", base_args=["--max-model-len", "4096",
+                                                                        "--log-file", str(tmp_path / "x")]))
+        status = await run.coordinator.wait_for(
+            lambda m: isinstance(m, protocol.Status) and m.refused is not None, after=mark, timeout=STATE_TIMEOUT_S)
+        assert status.refused is not None and status.refused.assignment_id == "a-2"
+        assert status.refused.reason.startswith("argument not allowed: --log-file")
+        assert (status.state, status.assignment_id, status.last_error) == ("ready", "a-1", None)
+        [still] = run.node.snapshot().engines
+        assert still.pid == serving.pid is not None and _alive(still.pid)
+        answer = await run.ask(STREAM)
+        assert answer.error is None and answer.end is not None
+        assert not (tmp_path / "x").exists()
+
+        mark = run.mark()  # a tier key that is not ASCII digits does not even parse: refused the same way
+        await run.coordinator.send_raw(json.dumps({
+            "type": "assign", "assignment_id": "a-3",
+            "model": {"name": "m", "vllm": {"source": str(model), "weights_mib": 1000, "tiers": {"\u00b2": []}}}}))
+        error = await run.coordinator.wait_for(lambda m: isinstance(m, protocol.Error), after=mark)
+        assert error.code == "bad_message" and error.ref == "a-3"
+        status = await run.coordinator.wait_for(
+            lambda m: isinstance(m, protocol.Status) and m.refused is not None and m.refused.assignment_id == "a-3",
+            after=mark)
+        assert status.state == "ready" and status.assignment_id == "a-1" and "tier threshold" in status.refused.reason
+        assert run.node.snapshot().engines[0].pid == serving.pid
+
+        mark = run.mark()  # a good replacement is accepted, and the refusal is forgotten
+        await run.coordinator.send(vllm_assign(model, "a-4", name="other-8b"))
+        ready = await run.coordinator.wait_for(
+            lambda m: is_status("ready")(m) and m.assignment_id == "a-4", after=mark, timeout=STATE_TIMEOUT_S)
+        assert ready.refused is None and ready.model == "other-8b"
+
+
+async def test_hello_publishes_the_arguments_the_node_accepts(tmp_path: Path, vllm_standin: Path) -> None:
+    async with running_node(tmp_path, vllm(vllm_standin)) as run:
+        hello = await run.coordinator.wait_for_connections(1)
+        assert "--max-model-len" in hello.engine_args["vllm"] and "--ctx-size" in hello.engine_args["llamacpp"]
+        published = {flag for flags in hello.engine_args.values() for flag in flags}
+        assert not published & {"--host", "--port", "--api-key", "--log-file", "--chat-template-file", "--uds"}
 
 
 async def test_a_missing_model_fails_with_the_reason_and_a_resume_retries(tmp_path: Path, vllm_standin: Path) -> None:

@@ -1,23 +1,29 @@
 """The vLLM path without a GPU: the supervisor drives the stand-in (a real child process serving
-real HTTP on 127.0.0.1) through start, KV parsing, OOM fallback, refusals, crash loops and hangs."""
+real HTTP on a Unix socket, or on 127.0.0.1) through start, KV parsing, OOM fallback, refusals,
+crash loops and hangs."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import stat
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 import pytest
+from pydantic import BaseModel
 
-from tests.support.engines import free_port
+from tests.support.engines import engine_client, free_port
+from worker import protocol
 from worker.config import Paths
 from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 from worker.procs import StopTiming
-from worker.supervise import Backoff, EngineSupervisor, SupervisorTiming
+from worker.relay import EngineTarget, Relay, engine_http_client
+from worker.supervise import Backoff, EngineSupervisor, SupervisorTiming, Target
 
 pytestmark = pytest.mark.integration
 
@@ -56,9 +62,23 @@ class Recorder:
 
 
 def supervisor(plan: EnginePlan, tmp_path: Path, recorder: Recorder | None = None,
-               timing: SupervisorTiming = FAST) -> EngineSupervisor:
+               timing: SupervisorTiming = FAST, *, unix_socket: bool = True) -> EngineSupervisor:
     return EngineSupervisor(plan, paths=Paths.under(tmp_path).ensure(), on_event=recorder, timing=timing,
-                            backoff=TINY_BACKOFF, base_env=dict(os.environ))
+                            backoff=TINY_BACKOFF, base_env=dict(os.environ), unix_socket=unix_socket)
+
+
+def client(target: Target, **options: Any) -> httpx.AsyncClient:
+    return engine_client(target.socket_path, **options)
+
+
+def tcp_listeners(pid: int) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP listener of the process and its children."""
+    found = []
+    root = psutil.Process(pid)
+    for member in [root, *root.children(recursive=True)]:
+        found += [(member.pid, c.laddr.ip, c.laddr.port) for c in member.net_connections(kind="inet")
+                  if c.status == psutil.CONN_LISTEN]
+    return found
 
 
 async def test_ready_after_models_and_a_real_completion(vllm_standin: Path, tmp_path: Path) -> None:
@@ -72,14 +92,15 @@ async def test_ready_after_models_and_a_real_completion(vllm_standin: Path, tmp_
         assert snap.kv_cache_tokens == 445888 and snap.kv_cache_gib == 61.23
         assert snap.max_concurrency == pytest.approx(445888 / 4096, abs=0.01)
         assert snap.context.declared == 4096 and snap.context.physical == 445888
-        assert "***" in snap.argv and not any(sup.target().api_key in arg for arg in snap.argv)
+        assert not any(sup.target().api_key in arg for arg in snap.argv) and "--api-key" not in snap.argv
         assert snap.argv[snap.argv.index("--host") + 1] == "127.0.0.1"
         target = sup.target()
         assert target is not None and target.served_name == "qwen3-8b" and target.engine_id == "e0"
-        async with httpx.AsyncClient(trust_env=False) as client:
-            denied = await client.get(f"{target.base_url}/v1/models")
-            allowed = await client.get(f"{target.base_url}/v1/models",
-                                       headers={"Authorization": f"Bearer {target.api_key}"})
+        assert snap.argv[snap.argv.index("--uds") + 1] == target.socket_path
+        async with client(target) as http:
+            denied = await http.get(f"{target.base_url}/v1/models")
+            allowed = await http.get(f"{target.base_url}/v1/models",
+                                     headers={"Authorization": f"Bearer {target.api_key}"})
         assert denied.status_code == 401 and allowed.json()["data"][0]["id"] == "qwen3-8b"
         assert Path(snap.log_path).read_text().count("GPU KV cache size: 445,888 tokens") == 1
     finally:
@@ -104,9 +125,9 @@ async def test_new_api_key_and_run_id_for_every_run(vllm_standin: Path, tmp_path
     await sup.start()
     await sup.wait_for_state("ready", timeout=10)
     first_run, first_key = sup.run_id, sup.target().api_key
-    async with httpx.AsyncClient(trust_env=False) as client:  # the probe was request 1; this is the 2nd
-        await client.post(f"{sup.target().base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
-                          headers={"Authorization": f"Bearer {first_key}"})
+    async with client(sup.target()) as http:  # the probe was request 1; this is the 2nd
+        await http.post(f"{sup.target().base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {first_key}"})
     await sup.wait_for_state("starting", timeout=5)
     snap = await sup.wait_for_state("ready", timeout=10)
     second_run, second_key = sup.run_id, sup.target().api_key
@@ -199,10 +220,10 @@ async def test_no_token_progress_with_requests_in_flight_restarts(vllm_standin: 
     await sup.start()
     await sup.wait_for_state("ready", timeout=10)
     target = sup.target()
-    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+    async with client(target, timeout=10) as http:
         sup.request_started()
         with pytest.raises(httpx.HTTPError):
-            async with client.stream("POST", f"{target.base_url}/v1/chat/completions",
+            async with http.stream("POST", f"{target.base_url}/v1/chat/completions",
                                      headers={"Authorization": f"Bearer {target.api_key}"},
                                      json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as rsp:
                 async for _chunk in rsp.aiter_bytes():
@@ -219,9 +240,9 @@ async def test_slow_generation_with_progress_is_not_restarted(vllm_standin: Path
     await sup.wait_for_state("ready", timeout=10)
     target = sup.target()
     chunks = 0
-    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+    async with client(target, timeout=10) as http:
         sup.request_started()
-        async with client.stream("POST", f"{target.base_url}/v1/completions",
+        async with http.stream("POST", f"{target.base_url}/v1/completions",
                                  headers={"Authorization": f"Bearer {target.api_key}"},
                                  json={"prompt": "hi", "max_tokens": 12, "stream": True}) as rsp:
             async for line in rsp.aiter_lines():
@@ -247,12 +268,12 @@ async def test_standin_streams_usage_like_vllm(vllm_standin: Path, tmp_path: Pat
     await sup.start()
     await sup.wait_for_state("ready", timeout=10)
     target = sup.target()
-    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+    async with client(target, timeout=10) as http:
         body = {"model": "qwen3-8b", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 5,
                 "stream": True, "stream_options": {"include_usage": True}}
-        rsp = await client.post(f"{target.base_url}/v1/chat/completions", json=body,
-                                headers={"Authorization": f"Bearer {target.api_key}"})
-        metrics = (await client.get(f"{target.base_url}/metrics")).text
+        rsp = await http.post(f"{target.base_url}/v1/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {target.api_key}"})
+        metrics = (await http.get(f"{target.base_url}/metrics")).text
     await sup.stop()
     events = [line[6:] for line in rsp.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -273,14 +294,83 @@ async def test_standin_serves_a_hundred_concurrent_streams(vllm_standin: Path, t
     target = sup.target()
     headers = {"Authorization": f"Bearer {target.api_key}"}
     limits = httpx.Limits(max_connections=100)
-    async with httpx.AsyncClient(trust_env=False, timeout=30, limits=limits) as client:
+    async with client(target, timeout=30, limits=limits) as http:
         async def stream() -> int:
             body = {"prompt": "hi", "max_tokens": 4, "stream": True}
-            async with client.stream("POST", f"{target.base_url}/v1/completions", json=body, headers=headers) as rsp:
+            async with http.stream("POST", f"{target.base_url}/v1/completions", json=body, headers=headers) as rsp:
                 return sum([line.startswith("data: {") async for line in rsp.aiter_lines()])
 
         counts = await asyncio.gather(*(stream() for _ in range(100)))
-        metrics = (await client.get(f"{target.base_url}/metrics")).text
+        metrics = (await http.get(f"{target.base_url}/metrics")).text
     await sup.stop()
     assert counts == [4] * 100
     assert 'vllm:generation_tokens_total{engine="0",model_name="qwen3-8b"} 404.0' in metrics  # + the probe's 4
+
+
+async def test_engine_listens_on_a_private_socket_with_its_key_off_the_command_line(
+        vllm_standin: Path, tmp_path: Path) -> None:
+    sup = supervisor(standin_plan(vllm_standin), tmp_path)
+    await sup.start()
+    try:
+        snap = await sup.wait_for_state("ready", "failed", timeout=10)
+        assert snap.state == "ready", snap.last_error
+        target = sup.target()
+        socket_path = Path(target.socket_path)
+        cmdline = Path(f"/proc/{snap.pid}/cmdline").read_bytes().decode()
+        listeners = tcp_listeners(snap.pid)
+        folder_mode = stat.S_IMODE(socket_path.parent.stat().st_mode)
+        environ = psutil.Process(snap.pid).environ()
+        print(f"\nkey on the command line: {target.api_key in cmdline}; TCP listeners: {listeners}; "
+              f"socket folder mode: {oct(folder_mode)}")
+        assert target.api_key not in cmdline and "--api-key" not in cmdline
+        assert environ["VLLM_API_KEY"] == target.api_key  # where vLLM reads it when --api-key is absent
+        assert stat.S_ISSOCK(socket_path.stat().st_mode) and socket_path.parent == tmp_path / "run" / "engines"
+        assert folder_mode == 0o700 and listeners == []
+        assert environ["XDG_CONFIG_HOME"] == str(socket_path.parent)
+    finally:
+        await sup.stop()
+    assert not socket_path.exists()
+
+
+async def test_a_relayed_completion_reaches_the_engine_through_its_socket(vllm_standin: Path, tmp_path: Path) -> None:
+    sup = supervisor(standin_plan(vllm_standin), tmp_path)
+    await sup.start()
+    frames: list[BaseModel] = []
+
+    async def send(message: BaseModel) -> bool:
+        frames.append(message)
+        return True
+
+    try:
+        await sup.wait_for_state("ready", timeout=10)
+        t = sup.target()
+        target = EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name, t.socket_path)
+        async with engine_http_client() as http:
+            relay = Relay(send, lambda: [target], lambda: None, http=http)
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+            await relay.handle(protocol.Request(id="r-1", method="POST", path="/v1/chat/completions", body=body))
+    finally:
+        await sup.stop()
+    head, *chunks, end = frames
+    assert isinstance(head, protocol.ResponseHead) and head.status == 200
+    assert isinstance(end, protocol.ResponseEnd) and end.usage is not None and end.usage.completion_tokens == 3
+    assert "data: [DONE]" in "".join(c.data for c in chunks if isinstance(c, protocol.ResponseChunk))
+
+
+async def test_without_sockets_the_engine_is_on_loopback_with_the_key_in_its_environment(
+        vllm_standin: Path, tmp_path: Path) -> None:
+    plan = standin_plan(vllm_standin)
+    sup = supervisor(plan, tmp_path, unix_socket=False)
+    await sup.start()
+    try:
+        snap = await sup.wait_for_state("ready", "failed", timeout=10)
+        assert snap.state == "ready", snap.last_error
+        target = sup.target()
+        cmdline = Path(f"/proc/{snap.pid}/cmdline").read_bytes().decode()
+        async with client(target) as http:
+            denied = await http.get(f"{target.base_url}/v1/models")
+        assert target.socket_path is None and target.base_url == f"http://127.0.0.1:{plan.port}"
+        assert tcp_listeners(snap.pid) == [(snap.pid, "127.0.0.1", plan.port)]
+        assert target.api_key not in cmdline and denied.status_code == 401
+    finally:
+        await sup.stop()

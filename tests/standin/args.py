@@ -1,16 +1,19 @@
 """vLLM's `serve` command line, as its FlexibleArgumentParser reads it.
 
 Last occurrence wins (plain argparse `store`), `_` and `-` are interchangeable in long names,
-booleans take `--x` / `--no-x`, and an unknown flag is an error, as in vLLM. The stand-in also
-refuses to listen anywhere but loopback: vLLM's default host is every interface, so a missing
-`--host` is a bug in the caller that a test must see.
+booleans take `--x` / `--no-x`, and an unknown flag is an error, as in vLLM. `--uds PATH` serves
+on a Unix socket and then host and port are ignored; the key comes from `--api-key`, or else from
+`VLLM_API_KEY` in the environment, as in vLLM. The stand-in also refuses to listen anywhere but
+loopback: vLLM's default host is every interface, so a missing `--host` without `--uds`, or a
+non-loopback `--host` at all, is a bug in the caller that a test must see.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -21,8 +24,9 @@ class CliError(Exception):
 @dataclass(frozen=True)
 class ServeArgs:
     model: str
-    host: str
+    host: str | None
     port: int
+    uds: str | None
     api_keys: tuple[str, ...]
     served_names: tuple[str, ...]
     tensor_parallel: int
@@ -57,6 +61,7 @@ def _parser() -> _Parser:
     parser.add_argument("model")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uds")
     parser.add_argument("--api-key", nargs="+")
     parser.add_argument("--served-model-name", nargs="+")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -91,8 +96,10 @@ def _normalise(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _require_loopback(host: str | None) -> str:
+def _require_loopback(host: str | None, uds: str | None) -> str | None:
     if host is None:
+        if uds is not None:
+            return None
         raise CliError("--host is missing: vLLM would listen on every interface; pass --host 127.0.0.1")
     try:
         loopback = ipaddress.ip_address(host).is_loopback
@@ -103,7 +110,7 @@ def _require_loopback(host: str | None) -> str:
     return host
 
 
-def parse_serve(argv: Sequence[str]) -> ServeArgs:
+def parse_serve(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> ServeArgs:
     """Parse `serve MODEL …`; raises CliError with vLLM's kind of message."""
     if not argv or argv[0] != "serve":
         raise CliError("the stand-in only knows the `serve` subcommand")
@@ -116,9 +123,10 @@ def parse_serve(argv: Sequence[str]) -> ServeArgs:
     max_len = space.max_model_len
     return ServeArgs(
         model=space.model,
-        host=_require_loopback(space.host),
+        host=_require_loopback(space.host, space.uds),
         port=space.port,
-        api_keys=tuple(space.api_key or ()),
+        uds=space.uds,
+        api_keys=tuple(space.api_key or ([env["VLLM_API_KEY"]] if env.get("VLLM_API_KEY") else ())),
         served_names=tuple(space.served_model_name or ()),
         tensor_parallel=space.tensor_parallel_size,
         max_model_len=None if max_len in (None, -1) else max_len,

@@ -1,15 +1,17 @@
 """Entry point of the vLLM stand-in (`tests/standin/vllm serve MODEL …`). A test double, not vLLM.
 
-It reads vLLM's CLI, prints vLLM's startup lines, then serves on the host and port given until
-SIGTERM or SIGINT (or misbehaves as the STANDIN_* variables ask; see behaviour.py). Like vLLM it
+It reads vLLM's CLI, prints vLLM's startup lines, then serves on the Unix socket (`--uds`) or the
+host and port given until SIGTERM or SIGINT (or misbehaves as the STANDIN_* variables ask; see behaviour.py). Like vLLM it
 runs an engine-core child process, which exits when the API server goes away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +21,8 @@ from tests.standin.behaviour import Behaviour
 from tests.standin.server import StandinServer
 from tests.standin.startup import Line, effective_max_model_len, startup, uvicorn_ready
 
-USAGE = "usage: vllm serve MODEL [--host HOST] [--port PORT] [--api-key KEY] [--served-model-name NAME] …"
+USAGE = ("usage: vllm serve MODEL [--host HOST] [--port PORT] [--uds PATH] [--api-key KEY] "
+         "[--served-model-name NAME] …")
 
 
 def _print(lines: Sequence[Line]) -> None:
@@ -37,17 +40,35 @@ def _engine_core() -> None:
         os._exit(0)
 
 
-async def _serve(server: StandinServer, ready: Sequence[Line], ignore_sigterm: bool) -> None:
+def _bind_uds(path: str) -> socket.socket:
+    """Bound before the engine starts, as vLLM does; a file already at `path` is an error (EADDRINUSE)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve(server: StandinServer, ready: Sequence[Line], ignore_sigterm: bool,
+                 uds: socket.socket | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if not ignore_sigterm:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    listener = await asyncio.start_server(server.handle, server.args.host, server.args.port, backlog=1024,
-                                          limit=256 * 1024)
+    if uds is not None:
+        listener = await asyncio.start_unix_server(server.handle, sock=uds, backlog=1024, limit=256 * 1024)
+    else:
+        listener = await asyncio.start_server(server.handle, server.args.host, server.args.port, backlog=1024,
+                                              limit=256 * 1024)
     _print(ready)
     async with listener:
         await stop.wait()
+    if server.args.uds is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(server.args.uds)
     print(f"(APIServer pid={os.getpid()}) INFO Shutting down FastAPI HTTP server.", flush=True)
 
 
@@ -58,6 +79,11 @@ def main(argv: Sequence[str]) -> int:
     except (CliError, ValueError) as exc:
         print(f"{USAGE}\nvllm: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    try:
+        uds = _bind_uds(args.uds) if args.uds is not None else None
+    except OSError as exc:
+        print(f"(APIServer pid={os.getpid()}) ERROR OSError: {exc}", file=sys.stderr, flush=True)
+        return 1
     if behaviour.ignore_sigterm:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
@@ -73,5 +99,5 @@ def main(argv: Sequence[str]) -> int:
     if outcome.exit_status is not None:
         return outcome.exit_status
     server = StandinServer(args, behaviour, effective_max_model_len(args, behaviour))
-    asyncio.run(_serve(server, uvicorn_ready(), behaviour.ignore_sigterm))
+    asyncio.run(_serve(server, uvicorn_ready(), behaviour.ignore_sigterm, uds))
     return 0

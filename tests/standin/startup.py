@@ -135,7 +135,7 @@ def _finish(args: ServeArgs, old: bool) -> list[Line]:
         ("stderr", "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##########| 4/4 [00:00<00:00]"),
         _core("model_runner.py:1164", "Graph capturing finished in 0 secs, took 0.01 GiB", old=old),
     ]
-    address = f"http://{args.host}:{args.port}"
+    address = f"unix:{args.uds}" if args.uds is not None else f"http://{args.host}:{args.port}"
     started = f"Starting vLLM API server 0 on {address}" if old else f"Starting vLLM server on {address}"
     return [
         *graphs,

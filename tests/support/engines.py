@@ -1,5 +1,5 @@
 """Where the engines used by tests live: a real llama-server (built once per machine) and the
-vLLM stand-in under tests/standin/."""
+vLLM stand-in under tests/standin/; and a client that reaches a supervised engine where it listens."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 ENSURE_LLAMA_SERVER = REPO / "tests" / "support" / "ensure_llama_server.sh"
@@ -40,6 +43,12 @@ def ensure_llama_server() -> LlamaServer:
         raise RuntimeError(f"could not build llama-server ({ENSURE_LLAMA_SERVER}):\n{result.stderr[-2000:]}")
     bin_dir = Path(result.stdout.strip().splitlines()[-1])
     return LlamaServer(bin_dir)
+
+
+def engine_client(socket_path: str | None, *, limits: httpx.Limits | None = None, **options: Any) -> httpx.AsyncClient:
+    """An httpx client for an engine's `base_url`: through its Unix socket when it has one."""
+    transport = httpx.AsyncHTTPTransport(uds=socket_path, limits=limits or httpx.Limits())
+    return httpx.AsyncClient(transport=transport, trust_env=False, **options)
 
 
 def free_port() -> int:

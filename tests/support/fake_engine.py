@@ -5,7 +5,7 @@ stdlib asyncio only: HTTP/1.1 with keep-alive, `/v1/models`, `/v1/chat/completio
 or whole. What it does is set by `Behaviour`: tokens, delays, usage, a crash mid-stream, bytes
 written one at a time (to split multi-byte characters across reads). It records every request
 and whether the client went away before the answer was complete, so tests can see that a cancel
-really reached the engine. Run it alone for benchmarks:
+really reached the engine. It listens on 127.0.0.1, or on a Unix socket (`socket_path`). Run it alone for benchmarks:
 `python -m tests.support.fake_engine --port 0 --tokens 256` prints its base URL.
 """
 
@@ -49,11 +49,13 @@ class StreamRecord:
 
 class FakeEngine:
     def __init__(self, *, api_key: str = "engine-key", served_name: str = "fake-model",
-                 behaviour: Behaviour = Behaviour(), host: str = "127.0.0.1", port: int = 0) -> None:
+                 behaviour: Behaviour = Behaviour(), host: str = "127.0.0.1", port: int = 0,
+                 socket_path: str | None = None) -> None:
         self.api_key = api_key
         self.served_name = served_name
         self.behaviour = behaviour
         self._host, self._port = host, port
+        self.socket_path = socket_path
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[None]] = set()
@@ -67,10 +69,14 @@ class FakeEngine:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """Where to send requests; on a Unix socket only the Host (the socket is `socket_path`)."""
+        return "http://localhost" if self.socket_path is not None else f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> Self:
-        self._server = await asyncio.start_server(self._serve_connection, self._host, self._port)
+        if self.socket_path is not None:
+            self._server = await asyncio.start_unix_server(self._serve_connection, self.socket_path)
+        else:
+            self._server = await asyncio.start_server(self._serve_connection, self._host, self._port)
         return self
 
     async def stop(self) -> None:

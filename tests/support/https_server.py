@@ -1,5 +1,8 @@
 """A small HTTPS file server on 127.0.0.1 for tests: a folder, added resources, Range, faults.
 
+Faults include bodies sent without a length (chunked) and servers that announce one size and
+send more, so tests can check that a download stops at its cap either way.
+
 Runs in a background thread (so both async httpx clients and libraries that make blocking calls
 from worker threads can use it), with a trustme certificate authority the test hands to its
 clients. Every request is recorded, so a test can assert which ranges were asked for.
@@ -43,6 +46,10 @@ class Resource:
     headers: dict[str, str] = field(default_factory=dict)
     content_type: str = "application/octet-stream"
     status: int = 200
+    chunked: bool = False  # Transfer-Encoding: chunked, no Content-Length: the size is never announced
+    claimed_size: int | None = (
+        None  # announced (HEAD's Content-Length, a 206's Content-Range) whatever is sent
+    )
 
 
 @dataclass
@@ -102,6 +109,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_resource(resource, path, send_body)
 
     def _send_resource(self, resource: Resource, path: str, send_body: bool) -> None:
+        if resource.chunked:
+            self._send_chunked(resource, send_body)
+            return
+        if resource.claimed_size is not None:
+            self._send_claimed(resource, resource.claimed_size, send_body)
+            return
         size = len(resource.body)
         start, end, status = 0, size - 1, 200
         wanted = self.headers.get("Range") if self.server.owner.honour_range else None
@@ -125,6 +138,45 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if send_body:
             self._write_body(path, body)
+
+    def _send_chunked(self, resource: Resource, send_body: bool) -> None:
+        """The whole body in 64 KiB chunks; a client that hangs up early just ends the response."""
+        self.send_response(200)
+        self.send_header("Content-Type", resource.content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if not send_body:
+            return
+        self.close_connection = True
+        try:
+            for start in range(0, len(resource.body), 64 * 1024):
+                piece = resource.body[start : start + 64 * 1024]
+                self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            return
+
+    def _send_claimed(self, resource: Resource, claimed: int, send_body: bool) -> None:
+        """HEAD announces `claimed` bytes; GET answers 206 "bytes 0-…/claimed" but sends the whole body."""
+        if not send_body:
+            self.send_response(200)
+            self.send_header("Content-Length", str(claimed))
+            for name, value in resource.headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            return
+        self.send_response(206)
+        self.send_header("Content-Type", resource.content_type)
+        self.send_header("Content-Length", str(len(resource.body)))
+        self.send_header("Content-Range", f"bytes 0-{claimed - 1}/{claimed}")
+        for name, value in resource.headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.close_connection = True
+        try:
+            self.wfile.write(resource.body)
+        except OSError:
+            return
 
     def _write_body(self, path: str, body: bytes) -> None:
         cut = self.server.owner._take_cut(path) if self.command == "GET" else None

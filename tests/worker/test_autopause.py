@@ -5,11 +5,14 @@ from dataclasses import dataclass, replace
 import pytest
 
 from worker.autopause import (
+    FULLSCREEN_APP,
     Action,
     AutoPauser,
     Observation,
     PolicyState,
+    SeenProcess,
     decide,
+    find_game,
     foreign_processes,
     in_serve_hours,
 )
@@ -17,6 +20,7 @@ from worker.config import Settings
 from worker.events import EngineSnapshot, NodeSnapshot
 
 SETTINGS = Settings(auto_resume_after_s=60)
+GAME = "Cyberpunk2077.exe"
 
 
 @dataclass(frozen=True)
@@ -24,10 +28,11 @@ class Proc:
     pid: int
     gpu_index: int
     used_mib: int | None = 900
+    sm_pct: int | None = 0
 
 
-def obs(now: float, *, game: bool = False, paused: bool = False, reason: str | None = None, hour: float = 12.0):
-    return Observation(now, hour, foreign_gpu_use=game, fullscreen=False, paused=paused, pause_reason=reason)
+def obs(now: float, *, game: str | None = None, paused: bool = False, reason: str | None = None, hour: float = 12.0):
+    return Observation(now, hour, game=game, paused=paused, pause_reason=reason)
 
 
 @pytest.mark.parametrize(
@@ -55,10 +60,48 @@ def test_foreign_processes_skip_our_engines_and_gpus_not_lent():
     assert [p.pid for p in foreign_processes(procs, lent_gpus=None, own_pids=[])] == [100, 200, 300]
 
 
-def test_game_pauses_then_resumes_only_after_the_delay():
-    state, action = decide(SETTINGS, PolicyState(), obs(0, game=True))
-    assert action == Action("pause", "game")
-    state, action = decide(SETTINGS, state, obs(2, game=True, paused=True, reason="game"))
+@pytest.mark.parametrize(
+    ("name", "used_mib", "sm_pct", "ignored", "is_game"),
+    [
+        (GAME, 4096, 90, (), True),
+        ("Xorg", 900, 5, (), False),  # the desktop at rest
+        ("Xorg", 3000, 60, (), False),  # the desktop list is never a game, however busy
+        ("gnome-shell", 1200, 30, (), False),
+        ("DWM.EXE", 2048, 40, (), False),  # Windows names match whatever their case
+        ("chrome", 1500, 40, (), False),  # a browser's GPU process
+        ("steamwebhelper", 1100, 26, (), False),
+        ("Discord", 180, 3, (), False),  # a desktop app below both thresholds
+        ("blender", 1024, 0, (), True),  # memory alone is enough
+        ("blender", 1023, 24, (), False),  # just under both
+        ("hashcat", 300, 25, (), True),  # utilisation alone is enough
+        ("ollama", 5000, None, (), True),  # a card that cannot sample: memory decides
+        (GAME, None, 90, (), True),  # Windows (WDDM): no memory, utilisation decides
+        ("Spotify.exe", None, 2, (), False),
+        (GAME, None, None, (), False),  # neither figure: being listed is no evidence
+        (None, 4096, 90, (), True),  # a process the OS will not name is judged by its numbers
+        (GAME, 4096, 90, ("cyberpunk2077.EXE",), False),  # the user said it is not a game
+        (GAME, 4096, 90, ("witcher3.exe",), True),
+    ],
+)
+def test_what_counts_as_a_game(name, used_mib, sm_pct, ignored, is_game):
+    process = SeenProcess(4711, 0, name, used_mib, sm_pct)
+    found = find_game(Settings(autopause_ignored=ignored), [process])
+    assert found == (process if is_game else None)
+
+
+def test_the_busiest_game_is_the_one_named():
+    launcher = SeenProcess(10, 0, "EpicGamesLauncher.exe", 900, 60)
+    small = SeenProcess(11, 0, "Balatro.exe", 1100, 30)
+    big = SeenProcess(12, 0, GAME, 6000, 85)
+    assert find_game(SETTINGS, [launcher, small, big]) == big
+    assert find_game(SETTINGS, [launcher]) is None
+    assert SeenProcess(13, 1, None, 2048, None).label == "process 13"
+
+
+def test_game_pauses_naming_it_then_resumes_only_after_the_delay():
+    state, action = decide(SETTINGS, PolicyState(), obs(0, game=GAME))
+    assert action == Action("pause", "game", GAME)
+    state, action = decide(SETTINGS, state, obs(2, game=GAME, paused=True, reason="game"))
     assert action is None
     state, action = decide(SETTINGS, state, obs(10, paused=True, reason="game"))  # game closed at t=10
     assert action is None
@@ -68,8 +111,13 @@ def test_game_pauses_then_resumes_only_after_the_delay():
     assert action == Action("resume")
 
 
+def test_a_full_screen_app_pauses_under_its_own_name():
+    _, action = decide(SETTINGS, PolicyState(), obs(0, game=FULLSCREEN_APP))
+    assert action == Action("pause", "game", "a full-screen app")
+
+
 def test_manual_pause_is_never_lifted_or_relabelled():
-    state, action = decide(SETTINGS, PolicyState(), obs(0, game=True, paused=True, reason="user"))
+    state, action = decide(SETTINGS, PolicyState(), obs(0, game=GAME, paused=True, reason="user"))
     assert action is None
     state, action = decide(SETTINGS, state, obs(500, paused=True, reason="user"))
     assert action is None
@@ -78,25 +126,25 @@ def test_manual_pause_is_never_lifted_or_relabelled():
 
 
 def test_user_resume_during_a_game_pause_holds_until_the_game_ends():
-    state, _ = decide(SETTINGS, PolicyState(), obs(0, game=True))
-    state, action = decide(SETTINGS, state, obs(2, game=True, paused=False))  # the user pressed Resume
+    state, _ = decide(SETTINGS, PolicyState(), obs(0, game=GAME))
+    state, action = decide(SETTINGS, state, obs(2, game=GAME, paused=False))  # the user pressed Resume
     assert action is None and state.game_overridden
-    state, action = decide(SETTINGS, state, obs(4, game=False))
+    state, action = decide(SETTINGS, state, obs(4))
     assert action is None and not state.game_overridden  # no re-pause as the game lingers
-    _, action = decide(SETTINGS, state, obs(100, game=True))
-    assert action == Action("pause", "game")  # a new game is a new episode
+    _, action = decide(SETTINGS, state, obs(100, game="Balatro.exe"))
+    assert action == Action("pause", "game", "Balatro.exe")  # a new game is a new episode
 
 
 def test_auto_pause_off_ignores_games():
     settings = replace(SETTINGS, auto_pause_for_games=False)
-    _, action = decide(settings, PolicyState(), obs(0, game=True))
+    _, action = decide(settings, PolicyState(), obs(0, game=GAME))
     assert action is None
 
 
 def test_schedule_pauses_outside_hours_and_resumes_inside():
     settings = replace(SETTINGS, serve_hours=(8, 22))
     state, action = decide(settings, PolicyState(), obs(0, hour=23))
-    assert action == Action("pause", "schedule")
+    assert action == Action("pause", "schedule")  # no name: the hour is the reason
     state, action = decide(settings, state, obs(1, hour=23.5, paused=True, reason="schedule"))
     assert action is None
     _, action = decide(settings, state, obs(2, hour=8, paused=True, reason="schedule"))
@@ -105,8 +153,8 @@ def test_schedule_pauses_outside_hours_and_resumes_inside():
 
 def test_game_during_schedule_pause_resumes_only_when_both_allow():
     settings = replace(SETTINGS, serve_hours=(8, 22))
-    state, action = decide(settings, PolicyState(), obs(0, hour=23, game=True))
-    assert action == Action("pause", "game")
+    state, action = decide(settings, PolicyState(), obs(0, hour=23, game=GAME))
+    assert action == Action("pause", "game", GAME)
     state, action = decide(settings, state, obs(100, hour=23, paused=True, reason="game"))
     assert action == Action("pause", "schedule")  # the game is gone, the night is not
     _, action = decide(settings, state, obs(200, hour=9, paused=True, reason="schedule"))
@@ -122,8 +170,8 @@ class FakeNode:
     def snapshot(self) -> NodeSnapshot:
         return self.snap
 
-    def pause(self, duration_s=None, reason="user") -> None:
-        self.calls.append(("pause", duration_s, reason))
+    def pause(self, duration_s=None, reason="user", detail=None) -> None:
+        self.calls.append(("pause", duration_s, reason, detail))
         self.snap = replace(self.snap, paused=True, pause_reason=reason, state="paused")
 
     def resume(self) -> None:
@@ -131,27 +179,50 @@ class FakeNode:
         self.snap = replace(self.snap, paused=False, pause_reason=None, state="ready")
 
 
-async def test_poller_pauses_for_a_simulated_foreign_gpu_process_and_resumes():
-    node = FakeNode()
-    now = [0.0]
-    processes = [Proc(4242, 0)]  # only our engine
-    pauser = AutoPauser(
+NAMES = {4242: "vllm", 1712: "Xorg", 2290: "gnome-shell", 3105: "chrome", 9001: GAME, 9002: "Discord"}
+
+
+def poller(node, processes, *, now, settings=SETTINGS, fullscreen=lambda: False):
+    return AutoPauser(
         node,
-        lambda: SETTINGS,
+        lambda: settings,
         lambda: list(processes),
-        fullscreen=lambda: False,
+        fullscreen=fullscreen,
+        name_of=NAMES.get,
         clock=lambda: now[0],
         local_hour=lambda: 12.0,
     )
+
+
+async def test_poller_pauses_for_a_game_by_name_not_for_the_desktop_and_resumes():
+    node = FakeNode()
+    now = [0.0]
+    processes = [
+        Proc(4242, 0, used_mib=20_000, sm_pct=100),  # our engine
+        Proc(1712, 0, used_mib=620, sm_pct=3),
+        Proc(2290, 0, used_mib=280, sm_pct=2),
+        Proc(3105, 0, used_mib=180, sm_pct=1),
+        Proc(9002, 0, used_mib=150, sm_pct=4),
+    ]
+    pauser = poller(node, processes, now=now)
     assert await pauser.tick() is None
-    processes.append(Proc(9001, 0))  # a game opens
-    assert await pauser.tick() == Action("pause", "game")
+    processes.append(Proc(9001, 0, used_mib=4096, sm_pct=90))  # a game opens
+    assert await pauser.tick() == Action("pause", "game", GAME)
     processes.pop()  # the game closes
     now[0] = 30
     assert await pauser.tick() is None
     now[0] = 61
     assert await pauser.tick() == Action("resume")
-    assert node.calls == [("pause", None, "game"), ("resume",)]
+    assert node.calls == [("pause", None, "game", GAME), ("resume",)]
+
+
+async def test_poller_ignores_games_on_gpus_not_lent_and_names_a_full_screen_app():
+    node = FakeNode()
+    settings = replace(SETTINGS, gpus_to_lend=(0,))
+    pauser = poller(node, [Proc(9001, 1, used_mib=4096, sm_pct=90)], now=[0.0], settings=settings)
+    assert await pauser.tick() is None
+    full = poller(FakeNode(), [], now=[0.0], fullscreen=lambda: True)
+    assert await full.tick() == Action("pause", "game", FULLSCREEN_APP)
 
 
 async def test_poller_survives_a_failed_reading():

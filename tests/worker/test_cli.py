@@ -99,8 +99,8 @@ def test_plan_from_a_detect_output(tmp_path):
     assert data["engine"] == "vllm"
     (engine,) = data["engines"]
     assert (engine["gpu_indices"], engine["layout"], engine["memory_mib"]) == ([0, 1], "tensor", 41200)
-    assert engine["argv"][-8:] == ["--host", "127.0.0.1", "--port", "18100", "--api-key", "***",
-                                   "--served-model-name", "qwen3.8-27b"]
+    assert engine["argv"][-6:] == ["--host", "127.0.0.1", "--port", "18100", "--served-model-name", "qwen3.8-27b"]
+    assert "--api-key" not in engine["argv"]  # the key travels in the engine's environment
     assert "65536" in engine["argv"]
 
 

@@ -309,3 +309,39 @@ async def test_close_ends_run(coordinator) -> None:
     await asyncio.wait_for(task, 5)
     assert node.states[-1].state == "disabled"
     assert not link.connected
+
+
+async def test_a_reopened_link_connects_again(coordinator) -> None:
+    """After an update was rolled back the node serves on: the same link says hello again."""
+    node = Node()
+    link = Link(coordinator.url, lambda: TOKEN, lambda: HELLO, node.on_message, on_state=node.states.append)
+    first = asyncio.create_task(link.run())
+    await node.wait_state("connected")
+    await link.close()
+    await asyncio.wait_for(first, 5)
+    assert node.states[-1].state == "disabled"
+    link.reopen()
+    second = asyncio.create_task(link.run())
+    assert await coordinator.wait_for_connections(2) == HELLO
+    await node.wait_state("connected")
+    assert link.generation == 2
+    await link.close()
+    await asyncio.wait_for(second, 5)
+
+
+async def test_run_while_a_loop_runs_starts_no_second_one(coordinator) -> None:
+    """`reopen()` before the closed loop noticed: that loop carries on, and a new `run()` returns."""
+    node = Node()
+    link = Link(coordinator.url, lambda: TOKEN, lambda: HELLO, node.on_message, on_state=node.states.append)
+    first = asyncio.create_task(link.run())
+    await node.wait_state("connected")
+    closing = asyncio.create_task(link.close())
+    await asyncio.sleep(0)  # the close has begun: the loop will see its connection end
+    link.reopen()
+    await asyncio.wait_for(link.run(), 1)  # returns at once: the first loop is still running
+    await closing
+    await coordinator.wait_for_connections(2)  # the first loop reconnected
+    await asyncio.sleep(0.2)
+    assert len(coordinator.hellos) == 2 and not first.done()
+    await link.close()
+    await asyncio.wait_for(first, 5)

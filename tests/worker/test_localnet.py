@@ -19,7 +19,9 @@ from worker.localnet import (
     LocalCoordinator,
     LocalModelError,
     ReferenceCoordinator,
+    host_problem,
     local_assignment,
+    origin_problem,
 )
 from worker.relay import EngineTarget, Relay, engine_http_client
 
@@ -40,6 +42,7 @@ class MiniNode:
     def __init__(self, url: str, engine: FakeEngine, http: httpx.AsyncClient) -> None:
         self.paused = False
         self.assigned: list[protocol.Assign] = []
+        self.requests: list[protocol.Request] = []  # every `request` frame that reached the node
         target = EngineTarget("e0", engine.base_url, engine.api_key, engine.served_name)
         self.link = Link(url, lambda: TOKEN, lambda: HELLO, self.on_message, on_disconnect=self.on_disconnect,
                          backoff=Backoff(base_s=0.01, cap_s=0.05))
@@ -47,6 +50,7 @@ class MiniNode:
 
     async def on_message(self, message: Any) -> None:
         if isinstance(message, protocol.Request):
+            self.requests.append(message)
             self.relay.handle(message, self.link.sender())
         elif isinstance(message, protocol.Cancel):
             self.relay.cancel(message.id)
@@ -238,8 +242,21 @@ def test_local_assignment_for_a_gguf_file_uses_llamacpp_and_its_size(tmp_path: P
 
 def test_local_assignment_default_is_a_small_instruct_gguf() -> None:
     assign = local_assignment("cpu")
-    assert assign.model.llamacpp.source == DEFAULT_LOCAL_MODEL
+    assert assign.model.llamacpp is not None
+    assert f"{assign.model.llamacpp.source}#sha256={assign.model.llamacpp.sha256}" == DEFAULT_LOCAL_MODEL
+    assert assign.model.name == "qwen2.5-0.5b-instruct-q4_k_m"
     assert 300 < assign.model.llamacpp.weights_mib < 1000
+
+
+def test_local_assignment_of_a_url_needs_its_hash() -> None:
+    url = "https://example.org/files/Tiny-1B-Q4_K_M.gguf"
+    with pytest.raises(LocalModelError, match="without its sha256"):
+        local_assignment("cpu", url)
+    with pytest.raises(LocalModelError, match="not a sha256"):
+        local_assignment("cpu", url + "#sha256=abc")
+    assign = local_assignment("cpu", url + "#sha256=" + "AB" * 32)
+    assert assign.model.llamacpp is not None and assign.model.llamacpp.sha256 == "ab" * 32
+    assert assign.model.name == "tiny-1b-q4_k_m"
 
 
 def test_local_assignment_for_a_repo_estimates_from_its_name() -> None:
@@ -260,19 +277,124 @@ def test_local_assignment_refuses_with_a_reason(runtime: str, model: str, fragme
         local_assignment(runtime, model)
 
 
-@pytest.mark.parametrize("raw, status", [
-    (b"GARBAGE\r\n\r\n", b"400"),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: nope\r\n\r\n", b"400"),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"411"),
-    (b"GET /metrics HTTP/1.1\r\n\r\n", b"404"),
-])
-async def test_http_endpoint_refuses_what_it_cannot_serve(coordinator, raw: bytes, status: bytes) -> None:
-    port = int(coordinator.http_url.rsplit(":", 1)[1].split("/")[0])
+def http_port(coordinator: ReferenceCoordinator) -> int:
+    return int(coordinator.http_url.rsplit(":", 1)[1].split("/")[0])
+
+
+async def raw_exchange(coordinator: ReferenceCoordinator, raw: bytes) -> tuple[bytes, bytes]:
+    """Sends `raw` (PORT replaced by the endpoint's port) and returns the status line and the rest."""
+    port = http_port(coordinator)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(raw)
+    writer.write(raw.replace(b"PORT", str(port).encode()))
     status_line = await asyncio.wait_for(reader.readline(), 5)
+    rest = await asyncio.wait_for(reader.read(), 5)  # refusals close the connection
     writer.close()
+    return status_line, rest
+
+
+@pytest.mark.parametrize("raw, status, reason", [
+    (b"GARBAGE\r\n\r\n", b"400", b"speaks HTTP/1.1"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nContent-Length: nope\r\n\r\n", b"400",
+     b"not a number"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nTransfer-Encoding: chunked\r\n\r\n", b"411",
+     b"Content-Length"),
+    (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nConnection: close\r\n\r\n", b"404", b"no route"),
+    (b"GET /v1/models HTTP/1.1\r\n\r\n", b"400", b"no Host header"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nHost: evil.example\r\n\r\n", b"400",
+     b"repeats its Host header"),
+])
+async def test_http_endpoint_refuses_what_it_cannot_serve(coordinator: ReferenceCoordinator, raw: bytes,
+                                                          status: bytes, reason: bytes) -> None:
+    status_line, rest = await raw_exchange(coordinator, raw)
     assert status_line.split(b" ")[1] == status
+    assert reason in rest
+
+
+async def test_a_dns_rebinding_request_is_refused_and_never_reaches_the_node(
+        coordinator: ReferenceCoordinator, node: MiniNode) -> None:
+    """A page at evil.example that rebinds its name to 127.0.0.1 sends `Host: evil.example:PORT`."""
+    port = http_port(coordinator)
+    async with httpx.AsyncClient(trust_env=False) as client:
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.nip.io", f"127.0.0.1:{port + 1}"):
+            refused = await client.post(f"{coordinator.http_url}/chat/completions", json={"messages": []},
+                                        headers={"Host": host})
+            assert refused.status_code == 403, host
+            assert "only answers programs on this computer" in refused.json()["error"]["message"]
+            assert repr(host) in refused.json()["error"]["message"]
+            assert "access-control-allow-origin" not in refused.headers
+        served = await client.post(f"{coordinator.http_url}/completions", json={"prompt": "x", "max_tokens": 1})
+    assert served.status_code == 200
+    assert [r.path for r in node.requests] == ["/v1/completions"]  # the refused ones never came before it
+
+
+async def test_a_request_from_a_foreign_web_page_is_refused(coordinator: ReferenceCoordinator,
+                                                             node: MiniNode) -> None:
+    async with httpx.AsyncClient(trust_env=False) as client:
+        refused = await client.post(f"{coordinator.http_url}/chat/completions", json={"messages": []},
+                                    headers={"Origin": "https://evil.example"})
+        from_a_sandbox = await client.get(f"{coordinator.http_url}/models", headers={"Origin": "null"})
+    assert refused.status_code == 403
+    assert "the web page at 'https://evil.example'" in refused.json()["error"]["message"]
+    assert "access-control-allow-origin" not in refused.headers
+    assert from_a_sandbox.status_code == 403
+    assert node.requests == []
+
+
+async def test_a_cors_preflight_from_a_foreign_origin_is_refused(coordinator: ReferenceCoordinator,
+                                                                 node: MiniNode) -> None:
+    async with httpx.AsyncClient(trust_env=False) as client:
+        preflight = await client.options(f"{coordinator.http_url}/chat/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"})
+    assert preflight.status_code == 403
+    assert not [name for name in preflight.headers if name.startswith("access-control-")]
+    assert node.requests == []
+
+
+@pytest.mark.parametrize("headers", [
+    {},  # httpx sends Host: 127.0.0.1:PORT
+    {"Host": "localhost:PORT"},
+    {"Host": "LocalHost"},
+    {"Host": "[::1]:PORT"},
+    {"Origin": "http://localhost:3000"},
+    {"Origin": "https://127.0.0.1"},
+    {"Origin": "http://[::1]:PORT"},
+])
+async def test_programs_and_pages_on_this_computer_are_served(coordinator: ReferenceCoordinator, node: MiniNode,
+                                                              headers: dict[str, str]) -> None:
+    port = str(http_port(coordinator))
+    sent = {name: value.replace("PORT", port) for name, value in headers.items()}
+    async with httpx.AsyncClient(trust_env=False) as client:
+        answer = await client.post(f"{coordinator.http_url}/completions", json={"prompt": "x", "max_tokens": 2},
+                                   headers=sent)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("host, fine", [
+    ("127.0.0.1:8090", True), ("localhost", True), ("[::1]:8090", True), ("LOCALHOST:8090", True),
+    ("127.0.0.1:8091", False), ("localhost.:8090", False), ("127.0.0.2:8090", False), ("0.0.0.0:8090", False),
+    ("::1", False), ("localhost:08090", False), ("evil.example", False), ("localhost.evil.example", False),
+])
+def test_host_problem_takes_only_loopback_names_on_this_port(host: str, fine: bool) -> None:
+    assert (host_problem({"host": host}, 8090) is None) == fine
+
+
+@pytest.mark.parametrize("origin, fine", [
+    ("http://localhost", True), ("https://localhost:3000", True), ("http://127.0.0.1:8090", True),
+    ("http://[::1]:1", True), ("http://localhost:0", False), ("http://localhost:65536", False),
+    ("http://localhost.evil.example", False), ("http://127.0.0.1.nip.io", False), ("file://", False),
+    ("null", False), ("chrome-extension://abc", False), ("http://localhost/path", False), ("", False),
+])
+def test_origin_problem_takes_only_loopback_origins(origin: str, fine: bool) -> None:
+    assert (origin_problem({"origin": origin}) is None) == fine
+    assert origin_problem({}) is None  # no Origin: not a browser
+
+
+async def test_the_http_endpoint_listens_on_loopback_only(coordinator: ReferenceCoordinator) -> None:
+    assert coordinator.http_url.startswith("http://127.0.0.1:")
+    assert coordinator._http_server is not None
+    assert [s.getsockname()[0] for s in coordinator._http_server.sockets] == ["127.0.0.1"]
 
 
 class _Machine:

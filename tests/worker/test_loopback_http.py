@@ -32,12 +32,15 @@ def sized(body: bytes) -> Reply:
 
 
 class ScriptedServer:
-    """An HTTP/1.1 server on 127.0.0.1 that answers request n with `answer(n)`, optionally only
-    once `hold` is set, and counts the connections it accepted and saw closed by the client."""
+    """An HTTP/1.1 server on 127.0.0.1 (or the Unix socket `socket_path`) that answers request n
+    with `answer(n)`, optionally only once `hold` is set, and counts the connections it accepted
+    and saw closed by the client."""
 
-    def __init__(self, answer: Callable[[int], Reply], hold: asyncio.Event | None = None) -> None:
+    def __init__(self, answer: Callable[[int], Reply], hold: asyncio.Event | None = None,
+                 socket_path: str | None = None) -> None:
         self._answer = answer
         self._hold = hold
+        self.socket_path = socket_path
         self._server: asyncio.Server | None = None
         self.accepted = 0
         self.closed_by_client = 0
@@ -47,10 +50,15 @@ class ScriptedServer:
     @property
     def url(self) -> str:
         assert self._server is not None
+        if self.socket_path is not None:
+            return "http://localhost"
         return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
     async def __aenter__(self) -> Self:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        if self.socket_path is not None:
+            self._server = await asyncio.start_unix_server(self._serve, self.socket_path)
+        else:
+            self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -264,3 +272,41 @@ def test_decode_chunks_keeps_partial_chunks_and_reads_past_extensions_and_traile
     assert decode_chunks(b"2\r\nhi\r\n0\r\n") == (b"hi", 7, False)
     with pytest.raises(ValueError):
         decode_chunks(b"3\r\nabcXY")
+
+
+async def test_an_engine_on_a_unix_socket_answers_as_over_tcp(tmp_path, client) -> None:
+    socket_path = str(tmp_path / "e0.sock")
+    async with FakeEngine(served_name="served-m", socket_path=socket_path) as engine:
+        request = client.build_request("POST", engine.base_url + CHAT, socket_path=socket_path,
+                                       content=json.dumps({"model": "served-m", "messages": [], "stream": True}).encode(),
+                                       headers={"Authorization": f"Bearer {engine.api_key}"})
+        response = await client.send(request)
+        body = await response.aread()
+        await response.aclose()
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), trust_env=False) as ref:
+            reference = await ref.post(engine.base_url + CHAT, headers={"Authorization": f"Bearer {engine.api_key}"},
+                                       json={"model": "served-m", "messages": [], "stream": True})
+    assert response.status_code == 200 and body == reference.content and body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_each_socket_has_its_own_pool_of_reused_connections(tmp_path) -> None:
+    first, second = str(tmp_path / "e0.sock"), str(tmp_path / "e1.sock")
+    async with (ScriptedServer(lambda n: sized(b"zero %d" % n), socket_path=first) as zero,
+                ScriptedServer(lambda n: sized(b"one %d" % n), socket_path=second) as one,
+                LoopbackClient() as client):
+        texts = [(await client.post("http://localhost/v1/x", content=b"{}", socket_path=path)).text
+                 for path in (first, second, first, second, first)]
+    assert texts == ["zero 1", "one 1", "zero 2", "one 2", "zero 3"]
+    assert (zero.accepted, one.accepted) == (1, 1)
+    assert zero.heads[0].startswith(b"POST /v1/x HTTP/1.1\r\nHost: localhost:80\r\n")
+
+
+async def test_nothing_at_the_socket_raises_the_one_error(tmp_path, client) -> None:
+    missing = str(tmp_path / "gone.sock")
+    with pytest.raises(LoopbackHTTPError, match=f"could not connect to the engine at {missing}"):
+        await client.send(client.build_request("GET", "http://localhost/v1/models", socket_path=missing))
+
+
+def test_a_socket_request_still_names_a_loopback_host(tmp_path, client) -> None:
+    with pytest.raises(ValueError, match="only talks to http://127.0.0.1"):
+        client.build_request("GET", "http://192.168.1.1/v1/models", socket_path=str(tmp_path / "e0.sock"))

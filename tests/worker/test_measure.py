@@ -191,6 +191,25 @@ def test_speculative_decoding_marks_the_share_not_comparable() -> None:
     assert snap.roofline_share == pytest.approx(120.0 / (1008e9 / 18e9))
 
 
+def test_batching_marks_the_share_not_comparable() -> None:
+    """Two requests decoding at once share each weight read: no longer a single-stream figure."""
+    alone = RunMeter("run", started_at=0.0, warmup_requests=0)
+    stream(alone, "a", 0.0, 0.1, 121, 1.0)
+    stream(alone, "b", 2.0, 2.1, 121, 3.0)
+    batched = RunMeter("run", started_at=0.0, warmup_requests=0)
+    batched.request_started("a", 0.0)
+    stream(batched, "b", 0.0, 0.1, 121, 1.0)
+    batched.first_token("a", 0.1)
+    batched.request_finished("a", 1.0, Usage(prompt_tokens=1, completion_tokens=121))
+
+    assert (alone.peak_concurrency, batched.peak_concurrency) == (1, 2)
+    single = roofline(alone.per_request_tokens_per_s(), [1008.0], 18 * 10**9, concurrency=alone.peak_concurrency)
+    shared = roofline(batched.per_request_tokens_per_s(), [1008.0], 18 * 10**9, concurrency=batched.peak_concurrency)
+    assert single is not None and single.comparable
+    assert shared is not None and not shared.comparable
+    assert not batched.snapshot(2.0, roofline=shared).roofline_comparable
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

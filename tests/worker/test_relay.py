@@ -12,11 +12,13 @@ import pytest
 from tests.support.fake_engine import Behaviour, FakeEngine
 from worker import protocol
 from worker.relay import (
+    MAX_BODY_DEPTH,
     EngineTarget,
     Relay,
     RelayHooks,
     StreamFilter,
     engine_http_client,
+    media_by_url,
 )
 
 CHAT = "/v1/chat/completions"
@@ -77,7 +79,7 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
 
 
 def target_of(engine: FakeEngine, engine_id: str = "e0") -> EngineTarget:
-    return EngineTarget(engine_id, engine.base_url, engine.api_key, engine.served_name)
+    return EngineTarget(engine_id, engine.base_url, engine.api_key, engine.served_name, engine.socket_path)
 
 
 def make_relay(wire: Wire, http: httpx.AsyncClient, *engines: FakeEngine, gate: Any = None,
@@ -416,3 +418,80 @@ def test_stream_filter_decodes_raw_bodies_incrementally() -> None:
     text = "ok 😀".encode()
     assert filter_.feed(text[:-2]) + filter_.feed(text[-2:]) + filter_.finish() == "ok 😀"
 
+
+
+def image(url: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "text", "text": "what is in https://example.org/x.png?"},
+                                         {"type": "image_url", "image_url": {"url": url, "detail": "low"}}]}]
+
+
+@pytest.mark.parametrize("url", ["http://192.168.1.1/cam.jpg", "  HTTPS://example.org/a.png", "file:///etc/passwd",
+                                 "//192.168.1.1/a.png"])
+async def test_media_by_url_is_refused_and_never_reaches_the_engine(engine, http, url: str) -> None:
+    wire = Wire()
+    await make_relay(wire, http, engine).handle(request(messages=image(url)))
+    (error,) = wire.of("r-1")
+    assert (error.type, error.status, error.code) == ("response.error", 400, "bad_request")
+    assert "messages[0].content[1].image_url.url" in error.message and "data: URL" in error.message
+    assert engine.records == []
+
+
+async def test_inline_media_as_a_data_url_is_relayed(engine, http) -> None:
+    wire = Wire()
+    inline = "data:image/png;base64,iVBORw0KGgo="
+    await make_relay(wire, http, engine).handle(request(messages=image(inline)))
+    assert isinstance(wire.terminals("r-1")[0], protocol.ResponseEnd)
+    assert engine.records[0].body["messages"][0]["content"][1]["image_url"]["url"] == inline
+
+
+@pytest.mark.parametrize(("body", "where"), [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://10.0.0.1/x"}]}]},
+     "body.input[0].content[0].image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://a/b"}}]}]},
+     "body.messages[0].content[0].source.url"),
+    ({"messages": [{"content": [{"type": "file", "file": {"file_data": "https://a/b.pdf"}}]}]},
+     "body.messages[0].content[0].file.file_data"),
+    ({"messages": [{"content": [{"type": "video_url", "video_url": {"url": "rtsp://cam.local/live"}}]}]},
+     "body.messages[0].content[0].video_url.url"),
+    ({"documents": [{"content": [{"type": "audio_url", "audio_url": {"url": " http://printer.local/a.wav"}}]}]},
+     "body.documents[0].content[0].audio_url.url"),
+])
+def test_media_urls_are_found_wherever_a_body_names_media(body: Any, where: str) -> None:
+    problem = media_by_url(body)
+    assert problem is not None and problem.startswith(f"{where} gives media by URL")
+
+
+@pytest.mark.parametrize("body", [
+    None, "text", {"prompt": "fetch https://example.org for me"},
+    {"messages": [{"role": "user", "content": "see https://example.org"}]},
+    {"messages": [{"content": [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]},
+    {"messages": [{"content": [{"type": "file", "file": {"file_data": "data:application/pdf;base64,JVBE",
+                                                          "filename": "a.pdf"}}]}]},
+    {"tools": [{"type": "function", "function": {"name": "fetch", "parameters": {"type": "object", "properties": {
+        "url": {"type": "string", "description": "a page such as https://example.org", "default": "https://x"}}}}}]},
+])
+def test_bodies_without_fetched_media_pass(body: Any) -> None:
+    assert media_by_url(body) is None
+
+
+def test_a_body_nested_deeper_than_the_bound_is_refused_unread() -> None:
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(MAX_BODY_DEPTH + 1):
+        inner["a"] = {}
+        inner = inner["a"]
+    assert "nested more than" in (media_by_url(deep) or "")
+    assert media_by_url({"messages": [{"content": [{"text": "x"}]}]}) is None
+
+
+async def test_an_engine_on_a_unix_socket_is_relayed_to(tmp_path, http) -> None:
+    async with FakeEngine(served_name="served-m", socket_path=str(tmp_path / "e0.sock")) as on_socket:
+        wire = Wire()
+        await make_relay(wire, http, on_socket).handle(request())
+    assert wire.terminals("r-1") == [protocol.ResponseEnd(
+        id="r-1", usage=protocol.Usage(prompt_tokens=9, completion_tokens=16))]
+    assert on_socket.records[0].headers["authorization"] == f"Bearer {on_socket.api_key}"
+
+
+def test_an_engine_target_made_the_old_way_has_no_socket() -> None:
+    assert EngineTarget("e0", "http://127.0.0.1:1", "k", "m").socket_path is None

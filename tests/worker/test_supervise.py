@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
 
-from worker.config import Paths
+from tests.support.fake_engine import FakeEngine
+from worker.config import Paths, private_dir
 from worker.engines.base import ContextTooLong
 from worker.plan import EnginePlan
 from worker.supervise import (
+    SOCKET_PATH_MAX_BYTES,
     Backoff,
     Ended,
     EngineSupervisor,
     SupervisorTiming,
+    Target,
     context_refusal,
+    engine_home,
     next_step,
+    socket_path_for,
     start_options,
 )
 
@@ -129,3 +138,44 @@ def test_stall_needs_requests_in_flight_and_no_progress(tmp_path: Path) -> None:
     assert "no token for 35 s with 1 request(s) in flight" == sup.stall_reason()
     sup.request_finished()
     assert sup.stall_reason() is None and sup.in_flight == 0
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_engine_sockets_live_in_a_folder_only_the_user_can_open(tmp_path: Path) -> None:
+    home = engine_home(Paths.under(tmp_path))
+    path, temporary = socket_path_for(home, "e0")
+    assert (path, temporary) == (tmp_path / "run" / "engines" / "e0.sock", None)
+    assert mode(home) == 0o700
+
+
+def test_a_socket_path_too_long_for_sun_path_moves_to_a_private_temporary_folder(tmp_path: Path) -> None:
+    home = private_dir(tmp_path / ("d" * 120))
+    path, temporary = socket_path_for(home, "e0")
+    try:
+        assert temporary is not None and path == temporary / "e0.sock"
+        assert len(os.fsencode(path)) <= SOCKET_PATH_MAX_BYTES and mode(temporary) == 0o700
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary)
+
+
+async def test_the_supervisors_client_reaches_what_listens_on_the_engines_socket(tmp_path: Path) -> None:
+    missing = dataclasses.replace(plan(), executable=(str(tmp_path / "no-such-vllm"),))
+    sup = EngineSupervisor(missing, paths=Paths.under(tmp_path))
+    await sup.start()
+    await sup.wait_for_state("failed", timeout=5)
+    socket_path = tmp_path / "run" / "engines" / "e0.sock"
+    try:
+        async with FakeEngine(served_name="m", socket_path=str(socket_path)) as engine:
+            answer = await sup.http.get("http://localhost/v1/models",
+                                        headers={"Authorization": f"Bearer {engine.api_key}"})
+    finally:
+        await sup.stop()
+    assert answer.json()["data"][0]["id"] == "m"
+
+
+def test_a_target_made_the_old_way_has_no_socket() -> None:
+    assert Target("http://127.0.0.1:1", "k", "m", "e0").socket_path is None

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence, Union
 
+from worker.engines.allowlist import Allowlist
 from worker.events import StartPhase
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -130,12 +131,7 @@ class EngineAdapter(Protocol):
     NAME: str
     DEFAULT_EXECUTABLE: tuple[str, ...]
     ENDPOINTS: Mapping[str, Endpoint]
-    APP_OWNED_FLAGS: frozenset[str]
-    CODE_EXECUTION_FLAGS: frozenset[str]
-    FORBIDDEN_FLAGS: frozenset[str]
-    FORBIDDEN_FLAG_SUFFIXES: tuple[str, ...]
-    ALLOWS_ABBREVIATIONS: bool
-    ORDINARY_FLAGS: frozenset[str]
+    ALLOWED_ARGS: Allowlist
 
     def command(
         self,
@@ -147,15 +143,16 @@ class EngineAdapter(Protocol):
         api_key: str,
         served_name: str,
         tensor_parallel: int = 1,
+        socket_path: str | None = None,
+        memory_utilization: float | None = None,
     ) -> list[str]: ...
 
-    def environment(self, base: Mapping[str, str], gpu_indices: Sequence[int]) -> dict[str, str]: ...
+    def environment(self, base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
+                    config_home: str | None = None) -> dict[str, str]: ...
 
     def mask_argv(self, argv: Sequence[str]) -> list[str]: ...
 
     def parse_line(self, line: str) -> LogFact | None: ...
-
-    def code_execution_reason(self, args: Sequence[str]) -> str | None: ...
 
 
 def clean_line(line: str) -> str:
@@ -191,9 +188,20 @@ def mask_values(argv: Sequence[str], secret_flags: frozenset[str], *, many: bool
     return masked
 
 
+# Never inherited by a child (engine or version probe): the provider's token, an engine key that
+# would stand in for this run's, and llama.cpp's LLAMA_ARG_* (flags set behind the command line).
+_SECRET_ENV = frozenset({"GPU_PROVIDER_TOKEN", "VLLM_API_KEY", "LLAMA_API_KEY"})
+
+
+def child_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """`base` without what no child of the app may inherit (`_SECRET_ENV`, `LLAMA_ARG_*`)."""
+    return {k: v for k, v in base.items() if k not in _SECRET_ENV and not k.startswith("LLAMA_ARG_")}
+
+
 def cuda_environment(base: Mapping[str, str], gpu_indices: Sequence[int]) -> dict[str, str]:
-    """The child sees exactly its GPUs, numbered as NVML numbers them, and never the provider token."""
-    env = {k: v for k, v in base.items() if k != "GPU_PROVIDER_TOKEN"}
+    """The child sees exactly its GPUs, numbered as NVML numbers them, and never the provider token
+    or an inherited engine key."""
+    env = child_environment(base)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_indices)
     return env

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Mapping, Sequence
 
+from worker.engines import llamacpp_args
 from worker.engines.base import (
     ContextSize,
     Endpoint,
@@ -27,8 +28,7 @@ from worker.engines.base import (
 
 NAME = "llamacpp"
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("llama-server",)
-ALLOWS_ABBREVIATIONS = False  # common/arg.cpp matches options exactly
-ORDINARY_FLAGS: frozenset[str] = frozenset()
+ALLOWED_ARGS = llamacpp_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
 
 # /health and /v1/models are public; /metrics, /props and /slots need the key once one is set (B4).
 ENDPOINTS: Mapping[str, Endpoint] = {
@@ -39,19 +39,6 @@ ENDPOINTS: Mapping[str, Endpoint] = {
     "slots": Endpoint("/slots", needs_api_key=True),
 }
 
-APP_OWNED_FLAGS = frozenset({"--host", "--port", "--api-key", "--api-key-file", "--alias", "-a"})
-# Never allowed: other models or remote backends behind the source check, files exposed or written,
-# listeners beyond what the app binds.
-FORBIDDEN_FLAGS = frozenset(
-    {
-        "-m", "--model", "-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hfv",
-        "--hf-repo-v", "-hffv", "--hf-file-v", "-hft", "--hf-token", "-dr", "--docker-repo", "--rpc",
-        "--path", "--api-prefix", "--reuse-port", "--media-path", "--slot-save-path", "--ssl-key-file",
-        "--ssl-cert-file", "--ui-mcp-proxy",
-    }
-)
-FORBIDDEN_FLAG_SUFFIXES: tuple[str, ...] = ("-default",)  # presets such as --fim-qwen-7b-default download weights
-CODE_EXECUTION_FLAGS = frozenset({"--tools", "--agent", "--mcp-servers-config", "--mcp-servers-json"})
 _SECRET_FLAGS = frozenset({"--api-key"})
 
 _PREFIX = re.compile(r"^(?:\d+\.\d+\.\d+\.\d+ )?(?:[IWED] )?")
@@ -78,31 +65,40 @@ def command(
     api_key: str,
     served_name: str,
     tensor_parallel: int = 1,
+    socket_path: str | None = None,
+    memory_utilization: float | None = None,
 ) -> list[str]:
     """`llama-server -m MODEL ARGS…` with the app-owned flags last; it splits layers over the GPUs
-    it sees by itself, so `tensor_parallel` needs no flag."""
-    return [
-        *executable, "-m", model, *args,
-        "--host", "127.0.0.1", "--port", str(port), "--api-key", api_key, "--alias", served_name, "--metrics",
-    ]
+    it sees by itself, so `tensor_parallel` needs no flag, and it has no memory share to be told,
+    so `memory_utilization` is unused.
+
+    `--fit off` (contract, Assignment rule 3): with fit on, a context that does not fit is silently
+    shrunk or moved off the GPU; off, it fails to allocate, which the supervisor sees and answers
+    with a lower tier. A `--host` value ending in `.sock` is a Unix socket (the port is then unused).
+    The API key is not here: any local user can read a command line, so it travels in the
+    environment (`environment`); `api_key` is accepted so that callers need not change."""
+    listen = ["--host", socket_path] if socket_path is not None else ["--host", "127.0.0.1", "--port", str(port)]
+    return [*executable, "-m", model, *args, "--fit", "off", *listen, "--alias", served_name, "--metrics"]
 
 
-def environment(base: Mapping[str, str], gpu_indices: Sequence[int]) -> dict[str, str]:
-    """No inherited `LLAMA_ARG_*` or `LLAMA_API_KEY`: only the command line configures the server."""
-    return {
-        k: v
-        for k, v in cuda_environment(base, gpu_indices).items()
-        if not k.startswith("LLAMA_ARG_") and k != "LLAMA_API_KEY"
-    }
+def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
+                config_home: str | None = None) -> dict[str, str]:
+    """Only the app configures the server: no inherited `LLAMA_ARG_*`, `LLAMA_API_KEY` or Vertex AI
+    `AIP_*` (they move the port); this run's key as `LLAMA_API_KEY`; and the user-level
+    `config.ini` looked up under `config_home`, a folder the app owns, so a file planted in
+    `~/.config/llama.cpp/` cannot set `host = 0.0.0.0` (`XDG_CONFIG_HOME`; `APPDATA` on Windows)."""
+    env = {k: v for k, v in cuda_environment(base, gpu_indices).items() if not k.startswith("AIP_")}
+    if api_key is not None:
+        env["LLAMA_API_KEY"] = api_key
+    if config_home is not None:
+        env["XDG_CONFIG_HOME"] = config_home
+        if "APPDATA" in env:
+            env["APPDATA"] = config_home
+    return env
 
 
 def mask_argv(argv: Sequence[str]) -> list[str]:
     return mask_values(argv, _SECRET_FLAGS, many=False)
-
-
-def code_execution_reason(args: Sequence[str]) -> str | None:
-    """llama.cpp has no code in model repos; its code-running surfaces are all plain flags."""
-    return None
 
 
 def parse_line(line: str) -> LogFact | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Mapping, Sequence
 
+from worker.engines import vllm_args
 from worker.engines.base import (
     CompileFinished,
     ContextTooLong,
@@ -29,14 +30,11 @@ from worker.engines.base import (
     clean_line,
     cuda_environment,
     mask_values,
-    option_name,
 )
 
 NAME = "vllm"
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("vllm",)
-ALLOWS_ABBREVIATIONS = True  # argparse accepts any unambiguous prefix of a long option
-# Real flags that are also prefixes of guarded ones, so they must not be taken for abbreviations.
-ORDINARY_FLAGS = frozenset({"--reasoning-parser"})
+ALLOWED_ARGS = vllm_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
 
 # /health, /metrics and /version are never authenticated; every /v1 path is (A4).
 ENDPOINTS: Mapping[str, Endpoint] = {
@@ -46,25 +44,6 @@ ENDPOINTS: Mapping[str, Endpoint] = {
     "version": Endpoint("/version", needs_api_key=False),
 }
 
-APP_OWNED_FLAGS = frozenset(
-    {"--host", "--port", "--api-key", "--served-model-name", "--tensor-parallel-size", "-tp"}
-)
-# Never allowed, whatever the settings say: they listen beyond 127.0.0.1, load options from a
-# file, or change which model is served behind the source check.
-FORBIDDEN_FLAGS = frozenset(
-    {
-        "--uds", "--config", "--model", "--headless", "--grpc-port", "--data-parallel-address",
-        "--data-parallel-rpc-port", "--data-parallel-size", "-dp", "--data-parallel-size-local",
-        "--data-parallel-supervisor-port",
-    }
-)
-FORBIDDEN_FLAG_SUFFIXES: tuple[str, ...] = ()
-CODE_EXECUTION_FLAGS = frozenset(
-    {
-        "--trust-remote-code", "--tool-parser-plugin", "--reasoning-parser-plugin", "--middleware",
-        "--logits-processors", "--worker-cls", "--worker-extension-cls", "--io-processor-plugin",
-    }
-)
 _SECRET_FLAGS = frozenset({"--api-key"})
 # Inherited variables that would change the API key, the log format we parse, or open dev endpoints.
 _DROPPED_ENV = frozenset(
@@ -110,39 +89,44 @@ def command(
     api_key: str,
     served_name: str,
     tensor_parallel: int = 1,
+    socket_path: str | None = None,
+    memory_utilization: float | None = None,
 ) -> list[str]:
-    """`vllm serve MODEL ARGS…` with the app-owned flags last, so they win over anything before."""
+    """`vllm serve MODEL ARGS…` with the app-owned flags last, so they win over anything before.
+
+    `--gpu-memory-utilization` is the share of each card the plan measured as usable (contract,
+    Assignment rule 3): vLLM's default (0.92 of total) fails its own start-up check on a card whose
+    desktop holds more than 8 %. `--uds PATH` (a Unix socket) replaces the port where the platform
+    has one; `--host 127.0.0.1` stays either way, as vLLM's default host is every interface. The API
+    key is not here: any local user can read a command line, so it travels in the environment
+    (`environment`); `api_key` is accepted so that callers need not change."""
     parallel = ["--tensor-parallel-size", str(tensor_parallel)] if tensor_parallel > 1 else []
-    return [
-        *executable, "serve", model, *args, *parallel,
-        "--host", "127.0.0.1", "--port", str(port), "--api-key", api_key, "--served-model-name", served_name,
-    ]
+    memory = [] if memory_utilization is None else ["--gpu-memory-utilization", f"{memory_utilization:g}"]
+    listen = ["--uds", socket_path] if socket_path is not None else ["--port", str(port)]
+    return [*executable, "serve", model, *args, *parallel, *memory, "--host", "127.0.0.1", *listen,
+            "--served-model-name", served_name]
 
 
-def environment(base: Mapping[str, str], gpu_indices: Sequence[int]) -> dict[str, str]:
-    """No usage stats, no colour, unbuffered logs, nothing inherited that changes keys or log format."""
+def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
+                config_home: str | None = None) -> dict[str, str]:
+    """No usage stats, no colour, unbuffered logs, nothing inherited that changes keys or log format;
+    this run's key as `VLLM_API_KEY` (read when `--api-key` is absent), and user config read from
+    `config_home` (a folder the app owns) rather than `~/.config`."""
     env = {k: v for k, v in cuda_environment(base, gpu_indices).items() if k not in _DROPPED_ENV}
     env.update(
         {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1",
          "PYTHONUNBUFFERED": "1"}
     )
+    if api_key is not None:
+        env["VLLM_API_KEY"] = api_key
+    if config_home is not None:
+        env["XDG_CONFIG_HOME"] = config_home
     return env
 
 
 def mask_argv(argv: Sequence[str]) -> list[str]:
     """The command line as shown in status and logs: `--api-key` takes one or more values (nargs +)."""
     return mask_values(argv, _SECRET_FLAGS, many=True)
-
-
-def code_execution_reason(args: Sequence[str]) -> str | None:
-    """Code execution hidden in a value: a speculative config naming a `custom_class`."""
-    for i, arg in enumerate(args):
-        name = option_name(arg) or ""
-        if name.startswith("--speculative-config") or name == "-sc":
-            value = arg + " " + (args[i + 1] if i + 1 < len(args) else "")
-            if "custom_class" in value:
-                return f"{arg} loads a custom Python class"
-    return None
 
 
 def parse_line(line: str) -> LogFact | None:

@@ -16,6 +16,8 @@ from typing import Callable
 
 import psutil
 
+from worker.engines.base import child_environment
+
 MIB = 1024 * 1024
 APPLE_WORKING_SET_SHARE = 0.75  # Metal's recommendedMaxWorkingSetSize on Apple Silicon, ≈ 75 % of RAM
 
@@ -72,7 +74,8 @@ class HostFacts:
 def run_quietly(argv: list[str], timeout_s: float) -> str | None:
     """Run a probe (argv list, never a shell) and return its stdout, or None when it fails or hangs."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False,
+                              env=child_environment(os.environ))  # no token for nvidia-smi & co.
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None

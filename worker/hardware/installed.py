@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Mapping
 
+from worker.engines.base import child_environment
 from worker.hardware.model import EngineInstall
 
 ENGINE_NAMES = ("vllm", "llamacpp")
@@ -27,10 +28,14 @@ WSL_VLLM_PROBE = ["wsl.exe", "-e", "python3", "-c", "import importlib.metadata a
 
 
 def run_for_version(argv: list[str], timeout_s: float, env: Mapping[str, str] | None = None) -> str | None:
-    """stdout and stderr together (llama-server prints its version on stderr), or None."""
+    """stdout and stderr together (llama-server prints its version on stderr), or None.
+
+    The probe runs an engine binary, so it gets what an engine child gets: `env` (default: the
+    app's own) without the provider token, engine keys or `LLAMA_ARG_*`."""
     try:
         done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout_s, check=False, env=dict(env) if env else None
+            argv, capture_output=True, text=True, timeout=timeout_s, check=False,
+            env=child_environment(os.environ if env is None else env),
         )
     except (OSError, subprocess.SubprocessError):
         return None

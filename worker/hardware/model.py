@@ -141,7 +141,7 @@ class Machine:
                     gpu_indices=tuple(g.gpu_indices),
                     name=g.name,
                     usable_mib_per_gpu=g.usable_mib_per_gpu,
-                    peer_to_peer=g.peer_to_peer,
+                    peer_to_peer=bool(g.peer_to_peer),
                     compute_capability=_group_capability(g.gpu_indices, by_index),
                 )
                 for g in hardware.groups
@@ -177,8 +177,8 @@ def _gpu_from_info(info: protocol.GpuInfo, usable_mib: int, grouped: dict[int, i
         memory_free_mib=info.memory_free_mib,
         usable_mib=usable_mib,
         compute_capability=info.compute_capability,
-        pcie_gen=info.pcie.gen,
-        pcie_width=info.pcie.width,
+        pcie_gen=info.pcie.gen if info.pcie else None,
+        pcie_width=info.pcie.width if info.pcie else None,
         p2p_peers=tuple(i for i in grouped if i != info.index) if info.peer_to_peer else (),
         power_limit_w=info.power_limit_w,
         memory_bandwidth_gbps=info.memory_bandwidth_gbps,

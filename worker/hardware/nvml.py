@@ -4,6 +4,9 @@ Every NVML call the detector and the live telemetry make goes through `NvmlSourc
 *indices)`, which returns plain JSON values. `PynvmlSource` answers from the real library;
 `worker.hardware.replay` records those answers and serves them back, so tests run the exact same
 code path without a GPU. Blocking: call from a thread in the core, never on the event loop.
+
+`tests/support/fake_pynvml.py` stands in for the `pynvml` module itself, so the adapter's own calls
+(argument types, the errors NVML raises, None memory on Windows) are tested too.
 """
 
 from __future__ import annotations
@@ -12,11 +15,16 @@ import ctypes
 import glob
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
 MIB = 1024 * 1024
 NOT_SUPPORTED = "Not Supported"  # NVML's answer for a reading the card does not offer: absent, not an error
+# pynvml spells NVML_P2P_CAPS_INDEX_READ as the tuple `(0,)` (a stray comma), which ctypes refuses.
+P2P_CAPS_INDEX_READ = 0
+# Per-process utilisation samples younger than this count as "now" (NVML samples every 1/6 s to 1 s).
+PROCESS_SAMPLE_WINDOW_US = 1_000_000
 WSL_NVML_LIBRARY_GLOBS = ("/usr/lib/wsl/lib/libnvidia-ml.so.1", "/usr/lib/wsl/drivers/*/libnvidia-ml.so.1")
 
 
@@ -81,26 +89,50 @@ class PynvmlSource:
         call = _QUERIES.get(name)
         if call is None:
             raise NvmlError(f"unknown NVML query {name!r}")
+        if self._nvml is None:
+            raise NvmlError("Uninitialized")
         try:
             return call(self._nvml, *(self._handle(i) for i in indices))
-        except self._nvml.NVMLError as exc:
+        except (self._nvml.NVMLError, self._nvml.NVMLLibraryMismatchError) as exc:
+            # NVMLLibraryMismatchError: a driver too old for the bindings' unversioned call (process lists)
             raise NvmlError(str(exc) or type(exc).__name__) from exc
 
     def _handle(self, index: int) -> Any:
-        if index not in self._handles:
-            self._handles[index] = self._nvml.nvmlDeviceGetHandleByIndex(index)
-        return self._handles[index]
+        """Cached per session; one dict lookup, because another thread's `shutdown` may clear it."""
+        handle = self._handles.get(index)
+        if handle is None:
+            handle = self._handles[index] = self._nvml.nvmlDeviceGetHandleByIndex(index)
+        return handle
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _processes(entries: Any) -> list[dict[str, int | None]]:
+def _process_entries(entries: Any) -> list[dict[str, int | None]]:
+    """NVML's process structs as JSON; `usedGpuMemory` is None where NVML cannot tell (Windows WDDM)."""
     return [
         {"pid": int(p.pid), "used_mib": None if p.usedGpuMemory is None else int(p.usedGpuMemory) // MIB}
         for p in entries
     ]
+
+
+def _process_utilization(n: Any, h: Any) -> list[dict[str, int]]:
+    """Each busy process's latest SM utilisation over the last second.
+
+    NVML returns samples only for processes that used the GPU, newer than a CPU timestamp in
+    microseconds, and raises NotFound when there is none: then every process is idle. Cards
+    that cannot sample raise NotSupported, which the caller keeps apart from "idle".
+    """
+    since_us = time.time_ns() // 1000 - PROCESS_SAMPLE_WINDOW_US
+    try:
+        samples = n.nvmlDeviceGetProcessUtilization(h, since_us)
+    except n.NVMLError_NotFound:
+        return []
+    latest: dict[int, int] = {}
+    for sample in sorted(samples, key=lambda s: int(s.timeStamp)):
+        latest[int(sample.pid)] = int(sample.smUtil)
+    return [{"pid": pid, "sm_pct": pct} for pid, pct in sorted(latest.items())]
 
 
 def _cuda_version(n: Any) -> str:
@@ -123,7 +155,7 @@ _QUERIES: dict[str, Callable[..., Any]] = {
     "compute_capability": lambda n, h: "%d.%d" % tuple(n.nvmlDeviceGetCudaComputeCapability(h)),
     "pcie_gen": lambda n, h: int(n.nvmlDeviceGetMaxPcieLinkGeneration(h)),
     "pcie_width": lambda n, h: int(n.nvmlDeviceGetMaxPcieLinkWidth(h)),
-    "p2p": lambda n, a, b: n.nvmlDeviceGetP2PStatus(a, b, n.NVML_P2P_CAPS_INDEX_READ) == n.NVML_P2P_STATUS_OK,
+    "p2p": lambda n, a, b: n.nvmlDeviceGetP2PStatus(a, b, P2P_CAPS_INDEX_READ) == n.NVML_P2P_STATUS_OK,
     "power_limit_mw": lambda n, h: int(n.nvmlDeviceGetEnforcedPowerLimit(h)),
     "power_mw": lambda n, h: int(n.nvmlDeviceGetPowerUsage(h)),
     "utilization_pct": lambda n, h: int(n.nvmlDeviceGetUtilizationRates(h).gpu),
@@ -132,8 +164,9 @@ _QUERIES: dict[str, Callable[..., Any]] = {
     "bus_width_bits": lambda n, h: int(n.nvmlDeviceGetMemoryBusWidth(h)),
     "mig_mode": lambda n, h: int(n.nvmlDeviceGetMigMode(h)[0]),
     "energy_mj": lambda n, h: int(n.nvmlDeviceGetTotalEnergyConsumption(h)),
-    "compute_processes": lambda n, h: _processes(n.nvmlDeviceGetComputeRunningProcesses(h)),
-    "graphics_processes": lambda n, h: _processes(n.nvmlDeviceGetGraphicsRunningProcesses(h)),
+    "compute_processes": lambda n, h: _process_entries(n.nvmlDeviceGetComputeRunningProcesses(h)),
+    "graphics_processes": lambda n, h: _process_entries(n.nvmlDeviceGetGraphicsRunningProcesses(h)),
+    "process_utilization": _process_utilization,
 }
 
 QUERY_NAMES = tuple(_QUERIES)
@@ -225,10 +258,13 @@ class GpuSample:
 
 @dataclass(frozen=True)
 class GpuProcess:
+    """One process on one GPU; None where NVML cannot tell (memory on Windows, a card that cannot sample)."""
+
     pid: int
     gpu_index: int
     used_mib: int | None
     kind: str  # "compute" or "graphics"
+    sm_pct: int | None = None  # SM utilisation over the last second; 0 when NVML saw it idle
 
 
 def _each_gpu(source: NvmlSource, read: Callable[[NvmlSource, int], list[T]]) -> list[T]:
@@ -265,12 +301,27 @@ def _sample(source: NvmlSource, index: int) -> GpuSample:
 
 def gpu_processes(source: NvmlSource) -> list[GpuProcess]:
     """Every process using a GPU (compute and graphics), for auto-pause when a game starts."""
-    return _each_gpu(source, _processes)
+    return _each_gpu(source, _processes_on)
 
 
-def _processes(source: NvmlSource, index: int) -> list[GpuProcess]:
-    return [
-        GpuProcess(int(entry["pid"]), index, entry.get("used_mib"), kind)
+def _processes_on(source: NvmlSource, index: int) -> list[GpuProcess]:
+    """The GPU's compute and graphics processes, each with its SM utilisation where the card samples it."""
+    listed = [
+        (kind, entry)
         for kind in ("compute", "graphics")
         for entry in _optional(source, f"{kind}_processes", index) or []
+    ]
+    if not listed:
+        return []
+    samples = _optional(source, "process_utilization", index)
+    sm_pct = None if samples is None else {int(s["pid"]): int(s["sm_pct"]) for s in samples}
+    return [
+        GpuProcess(
+            int(entry["pid"]),
+            index,
+            entry.get("used_mib"),
+            kind,
+            None if sm_pct is None else sm_pct.get(int(entry["pid"]), 0),
+        )
+        for kind, entry in listed
     ]

@@ -1,7 +1,7 @@
 """`python -m worker.hardware.record > reading.json`: record this machine's readings as a fixture.
 
 Run it on a real GPU machine; the file replays through `detect` exactly as the live NVML would,
-telemetry and process lists included.
+telemetry, process lists and per-process utilisation included.
 """
 
 from __future__ import annotations

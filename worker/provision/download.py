@@ -14,6 +14,7 @@ import re
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -82,8 +83,35 @@ async def verify_sha256(path: Path, expected: str, what: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class SizeCap:
+    """The most bytes a download may bring, and where that figure comes from (for the message)."""
+
+    max_bytes: int
+    said: str  # "the 500 MiB the assignment gave (plus 10 %); ask the network …"
+
+
 class _Retry(Exception):
     """This attempt ended early but the next one may succeed (the `.part` says where to resume)."""
+
+
+class _TooLarge(Exception):
+    """The body (announced or received) is larger than the download may be; nothing of it is kept."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"more than {max_bytes} bytes")
+        self.max_bytes = max_bytes
+
+
+def too_large(what: str, max_bytes: int, size_said: str) -> Problem:
+    """What a person reads when a download outgrew its cap (and was deleted)."""
+    return Problem(
+        title="Download larger than expected",
+        message=(
+            f"{what}: the download is larger than {human_bytes(max_bytes)}, which is more than {size_said}. "
+            "It was stopped and deleted."
+        ),
+    )
 
 
 class Downloader:
@@ -109,14 +137,31 @@ class Downloader:
         self._retry_delay_s = retry_delay_s
 
     async def fetch(
-        self, url: str, dest: Path, *, what: str, on_progress: ProgressCallback, sha256: str | None = None
+        self,
+        url: str,
+        dest: Path,
+        *,
+        what: str,
+        on_progress: ProgressCallback,
+        sha256: str | None = None,
+        max_bytes: int | None = None,
+        size_said: str = "it may be",
     ) -> Path:
-        """Download `url` to `dest` (replacing it) and return `dest`; raises `ProvisionError`."""
+        """Download `url` to `dest` (replacing it) and return `dest`; raises `ProvisionError`.
+
+        A body that grows past `max_bytes` is cut off and its `.part` deleted, whether or not the
+        server announced a length; `size_said` says where the limit comes from and what to do about
+        it ("the 500 MiB the assignment gave; ask the network …"), for the message.
+        """
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(dest.name + ".part")
         meter = ProgressMeter(what, on_progress, clock=self.clock)
         try:
-            await self._transfer_with_retries(url, part, meter, what)
+            try:
+                await self._transfer_with_retries(url, part, meter, what, max_bytes)
+            except _TooLarge as exc:
+                part.unlink(missing_ok=True)
+                raise ProvisionError(too_large(what, exc.max_bytes, size_said)) from None
             if sha256:
                 await self._verify_or_discard(part, sha256, what)
         except ProvisionError as exc:
@@ -133,11 +178,13 @@ class Downloader:
             part.unlink(missing_ok=True)
             raise
 
-    async def _transfer_with_retries(self, url: str, part: Path, meter: ProgressMeter, what: str) -> None:
+    async def _transfer_with_retries(
+        self, url: str, part: Path, meter: ProgressMeter, what: str, max_bytes: int | None
+    ) -> None:
         last_error: Exception | None = None
         for attempt in range(self._attempts):
             try:
-                await self._transfer(url, part, meter, what)
+                await self._transfer(url, part, meter, what, max_bytes)
                 return
             except (httpx.TransportError, _Retry) as exc:
                 last_error = exc
@@ -156,8 +203,12 @@ class Downloader:
             )
         )
 
-    async def _transfer(self, url: str, part: Path, meter: ProgressMeter, what: str) -> None:
+    async def _transfer(
+        self, url: str, part: Path, meter: ProgressMeter, what: str, max_bytes: int | None
+    ) -> None:
         offset = part.stat().st_size if part.exists() else 0
+        if max_bytes is not None and offset > max_bytes:
+            raise _TooLarge(max_bytes)
         headers = {"Accept-Encoding": "identity"}
         if offset:
             headers["Range"] = f"bytes={offset}-"
@@ -166,22 +217,31 @@ class Downloader:
             if start is None:
                 return
             total = _total_bytes(response, start)
-            if total is not None:
-                ensure_free_space(part.parent, total - start + self.margin_bytes, self.free_bytes, what)
+            if max_bytes is not None and total is not None and total > max_bytes:
+                raise _TooLarge(max_bytes)
+            expected = total if total is not None else max_bytes
+            if expected is not None:
+                ensure_free_space(part.parent, expected - start + self.margin_bytes, self.free_bytes, what)
             meter.start(start, total)
-            done = await self._write_body(response, part, start, meter)
+            done = await self._write_body(response, part, start, meter, max_bytes)
         if total is not None and done != total:
             raise _Retry(f"got {done} of {total} bytes")
 
     async def _write_body(
-        self, response: httpx.Response, part: Path, offset: int, meter: ProgressMeter
+        self, response: httpx.Response, part: Path, offset: int, meter: ProgressMeter, max_bytes: int | None
     ) -> int:
-        """Append the body to the `.part`; bytes received before a cut are kept for the resume."""
+        """Append the body to the `.part`; bytes received before a cut are kept for the resume.
+
+        A chunk that would take the file past `max_bytes` is never written: the caller deletes
+        the `.part`, so a server cannot fill the disk by sending more than it should.
+        """
         done = offset
         pending = bytearray()
         with part.open("ab" if offset else "wb") as out:
             try:
                 async for chunk in response.aiter_raw():
+                    if max_bytes is not None and done + len(chunk) > max_bytes:
+                        raise _TooLarge(max_bytes)
                     pending += chunk
                     done += len(chunk)
                     if len(pending) >= CHUNK_BYTES:

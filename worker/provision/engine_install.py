@@ -30,12 +30,12 @@ from worker.provision.llamacpp_install import (
     choose_assets,
     fetch_manifest,
     install_release,
-    normalise_build,
+    pin_manifest,
     this_machine,
 )
 from worker.provision.progress import ProgressCallback
+from worker.provision.releases import SHIPPED, Releases, normalise_build, version_problem
 from worker.provision.vllm_install import (
-    DEFAULT_VLLM_VERSION,
     MARKER,
     VenvPlace,
     host_place,
@@ -46,7 +46,6 @@ from worker.provision.vllm_install import (
 
 _ENGINE_FOLDER = re.compile(r"^(vllm|llamacpp)-")
 _SERVER_NAMES = ("llama-server", "llama-server.exe")
-_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _BUILD = re.compile(r"b\d+")
 
 
@@ -75,24 +74,25 @@ async def ensure_engine(
     wsl_distro: str | None = None,
     downloader: Downloader | None = None,
     release_api: str = RELEASE_API,
+    releases: Releases = SHIPPED,
 ) -> EngineInstall:
     """Find or install `engine` at `version` (None: the newest installed, else the default); raises `ProvisionError`.
 
-    vLLM: `index_url`/`find_links` choose where pip looks (a folder of wheels offline), and on
-    Windows (`use_wsl` None means "when on Windows") it goes inside WSL2. llama.cpp: the release
-    for this platform and `accelerator`, downloaded with `downloader` (one is made if not given).
+    Only versions in `releases` (what this app ships with) are found or installed. vLLM:
+    `index_url`/`find_links` choose where pip looks (a folder of wheels offline), and on Windows
+    (`use_wsl` None means "when on Windows") it goes inside WSL2. llama.cpp: the pinned release
+    assets for this platform and `accelerator`, downloaded with `downloader` (one is made if not given).
     """
-    if version is not None and not _VERSION.fullmatch(version):
-        raise ProvisionError(
-            Problem("Engine version not usable", f"{engine} version {version!r} is not a version number.")
-        )
+    problem = version_problem(engine, version, releases)
+    if problem is not None:
+        raise ProvisionError(Problem("Engine version not allowed", problem + ".", action="update"))
     if engine == "vllm":
         wsl = os.name == "nt" if use_wsl is None else use_wsl
         return await _ensure_vllm(
-            version, paths, on_progress, index_url, find_links, cuda_driver, python, wsl, wsl_distro
+            version, paths, on_progress, index_url, find_links, cuda_driver, python, wsl, wsl_distro, releases
         )
     return await _ensure_llamacpp(
-        version, paths, on_progress, accelerator, cuda_driver, downloader, release_api
+        version, paths, on_progress, accelerator, cuda_driver, downloader, release_api, releases
     )
 
 
@@ -106,10 +106,12 @@ async def _ensure_vllm(
     python: str | None,
     wsl: bool,
     wsl_distro: str | None,
+    releases: Releases,
 ) -> EngineInstall:
-    chosen = (
-        version or (None if wsl else _newest_installed(paths.engines_dir, "vllm")) or DEFAULT_VLLM_VERSION
-    )
+    installed = None if wsl else _newest_installed(paths.engines_dir, "vllm", releases.vllm)
+    chosen = version or installed or releases.default_vllm
+    if chosen is None:
+        raise ProvisionError(_none_shipped("vLLM"))
     place: VenvPlace = wsl_place(chosen, wsl_distro) if wsl else host_place(paths.engines_dir, chosen, python)
     if not await is_installed(place, chosen):
         await install_vllm(
@@ -126,14 +128,23 @@ async def _ensure_llamacpp(
     cuda_driver: tuple[int, int] | None,
     downloader: Downloader | None,
     release_api: str,
+    releases: Releases,
 ) -> EngineInstall:
-    build = normalise_build(version) if version else _newest_installed(paths.engines_dir, "llamacpp")
-    if build is not None:
-        installed = _installed_llamacpp(paths.engines_dir / f"llamacpp-{build}", build)
-        if installed is not None:
-            return installed
+    build = (
+        normalise_build(version)
+        if version
+        else _newest_installed(paths.engines_dir, "llamacpp", tuple(releases.llamacpp))
+        or releases.default_llamacpp
+    )
+    if build is None:
+        raise ProvisionError(_none_shipped("llama.cpp"))
+    installed = _installed_llamacpp(paths.engines_dir / f"llamacpp-{build}", build)
+    if installed is not None:
+        return installed
     async with _downloader(downloader) as loader:
-        manifest = await fetch_manifest(loader.client, build, release_api)
+        manifest = pin_manifest(
+            await fetch_manifest(loader.client, build, release_api), releases.llamacpp[build]
+        )
         assets = choose_assets(manifest, this_machine(accelerator, cuda_driver))
         location = paths.engines_dir / f"llamacpp-{manifest.build}"
         server = await install_release(assets, location, loader, on_progress, manifest.build)
@@ -149,6 +160,14 @@ async def _downloader(given: Downloader | None) -> AsyncIterator[Downloader]:
         yield Downloader(client)
 
 
+def _none_shipped(name: str) -> Problem:
+    return Problem(
+        f"No {name} release to install",
+        f"This app version ships with no {name} release it may install. Update the app.",
+        action="update",
+    )
+
+
 def _installed_llamacpp(location: Path, build: str) -> EngineInstall | None:
     servers = [p for p in location.rglob("*") if p.name in _SERVER_NAMES] if location.is_dir() else []
     if not servers:
@@ -157,13 +176,13 @@ def _installed_llamacpp(location: Path, build: str) -> EngineInstall | None:
     return EngineInstall((str(server),), build, location, server.parent)
 
 
-def _newest_installed(engines_dir: Path, engine: str) -> str | None:
-    """The highest version already installed here (a finished install only)."""
+def _newest_installed(engines_dir: Path, engine: str, allowed: Collection[str]) -> str | None:
+    """The highest `allowed` version already installed here (a finished install only)."""
     versions = []
     for folder in engines_dir.glob(f"{engine}-*") if engines_dir.is_dir() else ():
         version = folder.name.removeprefix(f"{engine}-")
         finished = (folder / MARKER).is_file() if engine == "vllm" else bool(_BUILD.fullmatch(version))
-        if folder.is_dir() and finished:
+        if folder.is_dir() and finished and version in allowed:
             versions.append(version)
     return max(versions, key=_version_key, default=None)
 

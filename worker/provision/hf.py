@@ -1,15 +1,19 @@
 """A Hugging Face repo into the model cache, through huggingface_hub, with a space check and progress.
 
 huggingface_hub owns the cache layout (blobs, snapshots, refs) and resumes its own `.incomplete`
-files; this module adds what the app needs around it: the free-space check before anything is
-written (from a dry run that lists the files and their sizes), progress events from how much of
-the repo is on disk, and failures a person can act on. Its calls block, so they run in a thread.
+files; this module adds what the app needs around it: the size cap and free-space check before
+anything is written (from a dry run that lists the files and the sizes the Hub announces), the
+size cap again while bytes arrive (huggingface_hub reports every chunk to the progress bar class
+it is given before writing it, and ours stops the download there), progress events from how much
+of the repo is on disk, and failures a person can act on. Its calls block, so they run in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +35,7 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from worker.events import DownloadProgress, Problem
 from worker.provision.cache import tree_size
-from worker.provision.download import FreeBytes, ensure_free_space
+from worker.provision.download import FreeBytes, SizeCap, ensure_free_space, too_large
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback, ProgressMeter
 
@@ -44,6 +48,34 @@ class _SilentBar(tqdm):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
 
 
+class _TooLarge(Exception):
+    """Raised inside huggingface_hub's download threads: the repo brought more bytes than its cap."""
+
+
+def _capped_bar(max_bytes: int) -> type[_SilentBar]:
+    """A bar class that stops the download (by raising) once any one bar counts past `max_bytes`.
+
+    huggingface_hub calls `update(len(chunk))` before writing each chunk, on an aggregate bar for
+    the whole snapshot; the other bars count files or the same bytes again, so each counts alone.
+    """
+    lock = threading.Lock()
+
+    class _CappedBar(_SilentBar):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.counted = 0
+
+        def update(self, n: float | None = 1) -> bool | None:
+            with lock:
+                self.counted += int(n or 0)
+                over = self.counted > max_bytes
+            if over:
+                raise _TooLarge(f"more than {max_bytes} bytes")
+            return super().update(n)  # type: ignore[no-any-return]
+
+    return _CappedBar
+
+
 @dataclass(frozen=True)
 class RepoRequest:
     repo_id: str
@@ -52,14 +84,14 @@ class RepoRequest:
     endpoint: str | None = None
     allow_patterns: Sequence[str] | None = None
 
-    def call(self, **extra: Any) -> Any:
+    def call(self, bar: type[_SilentBar] = _SilentBar, **extra: Any) -> Any:
         return snapshot_download(
             self.repo_id,
             revision=self.revision,
             cache_dir=self.cache_dir,
             endpoint=self.endpoint,
             allow_patterns=list(self.allow_patterns) if self.allow_patterns else None,
-            tqdm_class=_SilentBar,
+            tqdm_class=bar,
             **extra,
         )
 
@@ -77,19 +109,27 @@ async def fetch_repo(
     margin_bytes: int,
     clock: Callable[[], float] = time.monotonic,
     poll_s: float = 0.2,
+    cap: SizeCap | None = None,
 ) -> Path:
-    """Download (or find in the cache) the repo's snapshot and return its folder."""
+    """Download (or find in the cache) the repo's snapshot and return its folder.
+
+    With a `cap`, a repo whose announced files add up to more is refused before any download, and
+    one that brings more while downloading is stopped and its new files deleted.
+    """
+    existed = request.storage.exists()
     try:
         files = await _plan_or_none(request)
         if files is None:
             return await _cached_snapshot(request, what, on_progress)
         total = sum(f.file_size or 0 for f in files)
         missing = sum(f.file_size or 0 for f in files if f.will_download)
+        if cap is not None and total > cap.max_bytes:
+            raise ProvisionError(too_large(what, cap.max_bytes, cap.said + "; nothing was downloaded"))
         request.cache_dir.mkdir(parents=True, exist_ok=True)
         ensure_free_space(request.cache_dir, missing + margin_bytes, free_bytes, what)
         meter = ProgressMeter(what, on_progress, clock=clock)
         meter.start(total - missing, total)
-        snapshot = await _download_watching(request, meter, total - missing, total, poll_s)
+        snapshot = await _download_capped(request, meter, total - missing, total, poll_s, cap, what, existed)
     except ProvisionError as exc:
         _report_failure(on_progress, what, exc)
         raise
@@ -122,12 +162,44 @@ def _report_failure(on_progress: ProgressCallback, what: str, failure: Provision
     on_progress(DownloadProgress(what, 0, None, error=failure.problem.message))
 
 
+async def _download_capped(
+    request: RepoRequest,
+    meter: ProgressMeter,
+    already: int,
+    total: int,
+    poll_s: float,
+    cap: SizeCap | None,
+    what: str,
+    existed: bool,
+) -> Path:
+    """The download, stopped when it outgrows `cap`: then what it left behind is deleted.
+
+    A repo folder this download created (`existed` False) goes entirely; in one that was there
+    before (another revision, maybe in use), only the unfinished `.incomplete` files.
+    """
+    if cap is None:
+        return await _download_watching(request, meter, already, total, poll_s, _SilentBar)
+    try:
+        return await _download_watching(request, meter, already, total, poll_s, _capped_bar(cap.max_bytes))
+    except _TooLarge:
+        await asyncio.to_thread(_discard_partial, request.storage, existed)
+        raise ProvisionError(too_large(what, cap.max_bytes, cap.said)) from None
+
+
+def _discard_partial(storage: Path, existed: bool) -> None:
+    if not existed:
+        shutil.rmtree(storage, ignore_errors=True)
+        return
+    for unfinished in storage.glob("blobs/*.incomplete"):
+        unfinished.unlink(missing_ok=True)
+
+
 async def _download_watching(
-    request: RepoRequest, meter: ProgressMeter, already: int, total: int, poll_s: float
+    request: RepoRequest, meter: ProgressMeter, already: int, total: int, poll_s: float, bar: type[_SilentBar]
 ) -> Path:
     """Run the download in a thread; meanwhile report the bytes that have landed in the repo folder."""
     size_before = await asyncio.to_thread(_size_or_zero, request.storage)
-    task = asyncio.ensure_future(asyncio.to_thread(request.call))
+    task = asyncio.ensure_future(asyncio.to_thread(request.call, bar))
     while not task.done():
         await asyncio.wait({task}, timeout=poll_s)
         landed = await asyncio.to_thread(_size_or_zero, request.storage) - size_before

@@ -2,8 +2,9 @@
 
 The manifest is a release's list of assets with their sha256 — read from GitHub's release API
 (which publishes a `digest` per asset), or any server that answers the same JSON, so the URL is
-configurable and the tests serve their own. An asset without a digest is never used: nothing is
-unpacked that was not checked.
+configurable and the tests serve their own. Only assets this app pins (`releases.py`) are used,
+and each is checked against the pinned sha256 and size: the release page's own digest must agree
+with the pin, but is never the only check. Nothing is unpacked that was not checked.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from worker.events import Problem
 from worker.provision.download import Downloader
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback
+from worker.provision.releases import PinnedAsset
 
-# `{ref}` is `tags/b6500` for one build, `latest` for the newest.
+# `{ref}` is `tags/b6500` for one build.
 RELEASE_API = "https://api.github.com/repos/ggml-org/llama.cpp/releases/{ref}"
 OsName = Literal["linux", "windows", "macos"]
 Accelerator = Literal["cuda", "metal", "cpu"]
@@ -42,6 +44,7 @@ class ReleaseAsset:
     name: str
     url: str
     sha256: str
+    size_bytes: int | None = None  # the pinned size, once `pin_manifest` checked the asset
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,28 @@ def this_machine(accelerator: Accelerator, cuda_driver: tuple[int, int] | None =
     return Target(system, arch, accelerator, cuda_driver)  # type: ignore[arg-type]
 
 
-def normalise_build(version: str) -> str:
-    """ "6500" and "b6500" both name build b6500."""
-    return version if version.startswith("b") else f"b{version}"
+def pin_manifest(manifest: ReleaseManifest, pins: Mapping[str, PinnedAsset]) -> ReleaseManifest:
+    """The release's assets this app pins, carrying the pinned sha256 and size.
+
+    An asset the app does not pin is dropped (so never chosen); one whose published digest differs
+    from the pin is refused outright: the release changed since this app was made.
+    """
+    kept = []
+    for asset in manifest.assets:
+        pin = pins.get(asset.name)
+        if pin is None:
+            continue
+        if asset.sha256.lower() != pin.sha256:
+            raise ProvisionError(
+                Problem(
+                    "llama.cpp release changed",
+                    f"llama.cpp {manifest.build}: the release page gives {asset.name} the sha256 {asset.sha256}, "
+                    f"but this app ships with {pin.sha256} for it. It was not downloaded. Update the app.",
+                    action="update",
+                )
+            )
+        kept.append(ReleaseAsset(asset.name, asset.url, pin.sha256, pin.size_bytes))
+    return ReleaseManifest(manifest.build, tuple(kept))
 
 
 def choose_assets(manifest: ReleaseManifest, target: Target) -> list[ReleaseAsset]:
@@ -100,8 +122,9 @@ def choose_assets(manifest: ReleaseManifest, target: Target) -> list[ReleaseAsse
         raise ProvisionError(
             Problem(
                 "No llama.cpp build for this computer",
-                f"llama.cpp release {manifest.build} has no checked build for {target.os} {target.arch} "
-                f"({target.accelerator}). The network should offer another engine version.",
+                f"llama.cpp release {manifest.build} has no build for {target.os} {target.arch} "
+                f"({target.accelerator}) among those this app ships with. The network should offer another "
+                "engine version, or a newer app may have one.",
             )
         )
     return found[:1]
@@ -126,10 +149,10 @@ def _cuda_assets(
 
 
 async def fetch_manifest(
-    client: httpx.AsyncClient, build: str | None, url_template: str = RELEASE_API
+    client: httpx.AsyncClient, build: str, url_template: str = RELEASE_API
 ) -> ReleaseManifest:
-    """The release's checked assets; `build` None asks for the newest release."""
-    url = url_template.format(ref=f"tags/{build}" if build else "latest")
+    """The release's assets that have a published digest (still to be pinned: `pin_manifest`)."""
+    url = url_template.format(ref=f"tags/{build}")
     try:
         response = await client.get(url, headers={"Accept": "application/vnd.github+json"})
     except httpx.TransportError as exc:
@@ -144,12 +167,11 @@ async def fetch_manifest(
         raise ProvisionError(
             Problem(
                 "llama.cpp release not found",
-                f"{url} answered HTTP {response.status_code} for build {build or 'latest'}.",
+                f"{url} answered HTTP {response.status_code} for build {build}.",
                 action="check_network",
             )
         )
-    data = response.json()
-    return ReleaseManifest.from_release_json(build or str(data.get("tag_name", "")), data)
+    return ReleaseManifest.from_release_json(build, response.json())
 
 
 async def install_release(
@@ -174,6 +196,8 @@ async def install_release(
             what=f"engine llama.cpp {build}",
             on_progress=on_progress,
             sha256=asset.sha256,
+            max_bytes=asset.size_bytes,
+            size_said=f"the size this app pins for {asset.name}; update the app",
         )
         await asyncio.to_thread(unpack, archive, staging)
     server = await asyncio.to_thread(_prepare, staging)

@@ -1,7 +1,10 @@
 """The model an assignment names, onto this machine: returns what the engine is started with.
 
 A Hugging Face repo goes through huggingface_hub into the app's model cache; an https GGUF
-through the resumable downloader; an absolute local path is checked where it is. Cached
+through the resumable downloader, saved under the app's own name (its sha256); an absolute local
+path is checked where it is — a GGUF file for llama.cpp, a folder with config.json for vLLM, never
+a device or other special file, and no error ever quotes what a file holds. A download may bring
+at most the assignment's `weights_mib` plus 10 %, and never more than the cache limit. Cached
 downloads are tracked in the cache index, and the least recently used are evicted when the cache
 grows past the user's limit — never a model in use.
 """
@@ -9,12 +12,13 @@ grows past the user's limit — never a model in use.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import os
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 import httpx
@@ -27,16 +31,18 @@ from worker.provision.download import (
     SPACE_MARGIN_BYTES,
     Downloader,
     FreeBytes,
+    SizeCap,
     disk_free,
     verify_sha256,
 )
-from worker.provision.errors import ProvisionError
+from worker.provision.errors import ProvisionError, human_bytes
 from worker.provision.progress import ProgressCallback
-from worker.provision.sources import BadSource, ModelSource, parse_source
+from worker.provision.sources import BadSource, ModelSource, check_source, under_system_folder
 
 EngineKind = Literal["vllm", "llamacpp"]
 MIB = 1024 * 1024
 GIB = 1024 * MIB
+GGUF_MAGIC = b"GGUF"
 _SHARD = "-00001-of-"
 
 
@@ -71,22 +77,54 @@ async def ensure_model(
     `sha256` is checked for a single file (https or local); a Hugging Face repo is pinned by its
     `revision` instead. Progress events go to `on_progress` on the calling loop.
     """
-    source = _parse(engine_model.source)
+    source = _checked(engine_model, engine)
     if source.kind == "local":
-        return await _local_model(Path(source.value), engine_model.sha256, engine)
+        return await _local_model(Path(source.value), source.sha256, engine)
     cache = ModelCache(model_cache_root(paths, settings))
     limit = int(settings.model_cache_limit_gib * GIB)
+    cap = size_cap(engine_model.weights_mib, limit)
     if source.kind == "https":
-        path = await _https_model(source, engine_model, cache, limit, on_progress, http, options)
+        path = await _https_model(source, engine_model, cache, limit, cap, on_progress, http, options)
     else:
-        path = await _hf_model(source, engine_model, engine, cache, limit, on_progress, hf_endpoint, options)
+        path = await _hf_model(
+            source, engine_model, engine, cache, limit, cap, on_progress, hf_endpoint, options
+        )
     await asyncio.to_thread(cache.evict, limit, in_use=(*options.in_use, path))
     return path
 
 
-def _parse(source: str) -> ModelSource:
+def size_cap(weights_mib: int, limit_bytes: int) -> SizeCap:
+    """The most a download may bring: the assignment's size plus 10 %, within the cache limit.
+
+    A model that alone is larger than the cache limit is refused before anything is fetched.
+    """
+    weights = weights_mib * MIB
+    if weights > limit_bytes:
+        raise ProvisionError(
+            Problem(
+                "Model larger than the cache limit",
+                f"The model is {human_bytes(weights)}, more than the model cache limit of "
+                f"{human_bytes(limit_bytes)}. Raise the limit in Settings, or ask the network for a smaller model.",
+                action="settings",
+            )
+        )
+    allowed = weights + weights // 10
+    if allowed <= limit_bytes:
+        return SizeCap(
+            allowed,
+            f"the {weights_mib} MiB the assignment gave for this model (plus 10 %); ask the network to correct "
+            "the model's size or to offer another model",
+        )
+    return SizeCap(
+        limit_bytes,
+        f"the model cache limit of {human_bytes(limit_bytes)}; raise it in Settings, or ask the network for a "
+        "smaller model",
+    )
+
+
+def _checked(engine_model: protocol.EngineModel, engine: EngineKind) -> ModelSource:
     try:
-        return parse_source(source)
+        return check_source(engine_model.source, engine_model.sha256, engine)
     except BadSource as exc:
         raise ProvisionError(Problem("Model source not usable", str(exc))) from None
 
@@ -96,15 +134,15 @@ async def _https_model(
     engine_model: protocol.EngineModel,
     cache: ModelCache,
     limit: int,
+    cap: SizeCap,
     on_progress: ProgressCallback,
     http: httpx.AsyncClient | None,
     options: ModelOptions,
 ) -> Path:
-    key = f"https:{source.value}"
-    url_id = hashlib.sha256(source.value.encode()).hexdigest()[:12]
-    dest = cache.root / "gguf" / f"{url_id}-{source.file_name}"
-    entry = await asyncio.to_thread(cache.get, key)
-    if entry is not None and (engine_model.sha256 is None or entry.sha256 == engine_model.sha256):
+    """The file under the app's own name (its sha256) in the cache: no URL decides where it lands."""
+    key = f"gguf:{source.sha256}"
+    dest = cache.root / "gguf" / source.file_name
+    if await asyncio.to_thread(cache.get, key) is not None:
         await asyncio.to_thread(cache.touch, key)
         return dest
     need = engine_model.weights_mib * MIB
@@ -113,11 +151,13 @@ async def _https_model(
         await _downloader(client, options).fetch(
             source.value,
             dest,
-            what=f"model {source.file_name}",
+            what=f"model {source.label}",
             on_progress=on_progress,
-            sha256=engine_model.sha256,
+            sha256=source.sha256,
+            max_bytes=cap.max_bytes,
+            size_said=cap.said,
         )
-    await asyncio.to_thread(cache.put, key, dest, sha256=engine_model.sha256)
+    await asyncio.to_thread(cache.put, key, dest, sha256=source.sha256)
     return dest
 
 
@@ -147,6 +187,7 @@ async def _hf_model(
     engine: EngineKind,
     cache: ModelCache,
     limit: int,
+    cap: SizeCap,
     on_progress: ProgressCallback,
     hf_endpoint: str | None,
     options: ModelOptions,
@@ -171,35 +212,108 @@ async def _hf_model(
         free_bytes=options.free_bytes,
         margin_bytes=options.margin_bytes,
         clock=options.clock,
+        cap=cap,
     )
     await asyncio.to_thread(cache.put, key, request.storage)
-    return _gguf_in(snapshot, source.value) if engine == "llamacpp" else snapshot
+    return _gguf_in(snapshot, source.value, recursive=True) if engine == "llamacpp" else snapshot
 
 
 async def _local_model(path: Path, sha256: str | None, engine: EngineKind) -> Path:
-    if not path.exists():
+    """The model at `path` if it is one for `engine`; never reads a device, FIFO or non-model file."""
+    kind = await asyncio.to_thread(_local_kind, path)
+    if sha256 and kind == "folder":
+        raise ProvisionError(
+            Problem(
+                "Model source not usable", f"{path} is a folder; a sha256 can only be checked for one file."
+            )
+        )
+    if engine == "vllm":
+        if kind != "folder" or not await asyncio.to_thread(_is_regular_file, path / "config.json"):
+            raise ProvisionError(
+                _not_a_model(f"{path} is not a model folder with a config.json in it, as vLLM needs")
+            )
+        return path
+    model = path if kind == "file" else await asyncio.to_thread(_gguf_in, path, str(path), recursive=False)
+    if not await asyncio.to_thread(_starts_with_gguf_magic, model):
+        raise ProvisionError(
+            _not_a_model(f"{model} is not a GGUF model file (it does not start with the GGUF signature)")
+        )
+    if sha256:
+        await verify_sha256(model, sha256, f"model {model.name}")
+    return model
+
+
+def _local_kind(path: Path) -> Literal["file", "folder"]:
+    """Regular file or folder (links followed); anything else — missing, special, in /dev — refused."""
+    try:
+        mode = os.stat(path).st_mode
+        real = Path(os.path.realpath(path))
+    except FileNotFoundError:
         raise ProvisionError(
             Problem(
                 "Model not found", f"The model path {path} does not exist on this machine.", action="settings"
             )
-        )
-    if sha256:
-        if not path.is_file():
-            raise ProvisionError(
-                Problem(
-                    "Model source not usable",
-                    f"{path} is a folder; a sha256 can only be checked for one file.",
-                )
+        ) from None
+    except OSError as exc:
+        raise ProvisionError(
+            Problem(
+                "Model not readable",
+                f"The model path {path} cannot be read ({exc.strerror}).",
+                action="settings",
             )
-        await verify_sha256(path, sha256, f"model {path.name}")
-    if engine == "llamacpp" and path.is_dir():
-        return _gguf_in(path, str(path))
-    return path
+        ) from None
+    if os.name != "nt" and under_system_folder(PurePosixPath(real)):
+        raise ProvisionError(_not_a_model(f"{path} leads into /dev, /proc or /sys, where no model lives"))
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    raise ProvisionError(_not_a_model(f"{path} is a device, pipe or socket, not a model file or folder"))
 
 
-def _gguf_in(folder: Path, name: str) -> Path:
-    """The one GGUF file llama.cpp loads from a folder (the first shard of a split model)."""
-    files = sorted(p for p in folder.rglob("*.gguf") if p.is_file() or p.is_symlink())
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    """Whether `path` is a regular file whose first bytes are the GGUF magic.
+
+    Opened without blocking and checked again through the descriptor, so a file swapped for a
+    FIFO or device since it was looked at is never waited on or read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _not_a_model(what_it_is: str) -> Problem:
+    """The refusal names the path and what was expected — never what the file holds."""
+    return Problem(
+        "Model source not usable",
+        f"{what_it_is}. Give the path of a GGUF file for llama.cpp, or of a model folder with config.json "
+        "for vLLM.",
+        action="settings",
+    )
+
+
+def _gguf_in(folder: Path, name: str, *, recursive: bool) -> Path:
+    """The one GGUF file llama.cpp loads from a folder (the first shard of a split model).
+
+    A downloaded repo is searched through; a local folder only at its top, so a path such as `/`
+    never sets off a walk of the whole disk.
+    """
+    found = folder.rglob("*.gguf") if recursive else folder.glob("*.gguf")
+    files = sorted(p for p in found if p.is_file() or p.is_symlink())
     shards = [p for p in files if _SHARD in p.name]
     if len(files) == 1 or (shards and len(shards) == 1):
         return shards[0] if shards else files[0]

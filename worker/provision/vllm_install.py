@@ -28,7 +28,6 @@ from worker.events import DownloadProgress, Problem
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback
 
-DEFAULT_VLLM_VERSION = "0.33.0"
 VLLM_CUDA_TAG = "cu129"
 TORCH_INDEX = "https://download.pytorch.org/whl/{tag}"
 MIN_DRIVER_CUDA = (12, 0)

@@ -11,6 +11,7 @@ from worker.update.install import (
     InstallRoot,
     install_root,
     mark_hello_reached,
+    mark_started,
     newer_installed_executable,
     run_installed_if_newer,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "UpdaterOptions",
     "install_root",
     "mark_hello_reached",
+    "mark_started",
     "newer_installed_executable",
     "platform_key",
     "run_installed_if_newer",

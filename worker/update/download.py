@@ -2,7 +2,10 @@
 
 The partial file survives interruptions (and app restarts), so a dropped connection costs only
 what was not yet received. Nothing is trusted until the whole file's hash equals the signed one;
-a file that fails that check is deleted, never installed.
+a file that fails that check is deleted, never installed. A download stops, and its partial file
+is deleted, once it passes the offer's size, or 1 GiB when the offer gives none; the size is not
+signed, so an offer over 1 GiB is refused: a hostile server cannot fill the disk with a body that
+would never verify.
 """
 
 from __future__ import annotations
@@ -26,13 +29,62 @@ from worker.update.verify import UpdateRefused
 log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[DownloadProgress], None]
-MAX_ARCHIVE_BYTES = 4 * 1024**3
+MAX_ARCHIVE_BYTES = 1024**3  # the protocol's cap on any update ("Update")
 FLUSH_BYTES = 1024 * 1024
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 class _Interrupted(Exception):
     """The body ended before its announced length: resume from what arrived."""
+
+
+class _OverCap(UpdateRefused):
+    """The archive is bigger than it may be: never retried, and its partial file is deleted."""
+
+
+@dataclass(frozen=True)
+class _Cap:
+    """The most bytes a download may take: the offered size, or the policy's limit without one."""
+
+    limit: int
+    offered: bool
+
+    @classmethod
+    def of(cls, size: int | None, policy: DownloadPolicy, what: str) -> _Cap:
+        if size is None:
+            return cls(policy.max_bytes, offered=False)
+        if size > policy.max_bytes:
+            raise UpdateRefused(
+                f"{what} is offered at {_amount(size)}, larger than an update may be "
+                f"({_amount(policy.max_bytes)}); nothing was downloaded"
+            )
+        return cls(size, offered=True)
+
+    def check_announced(self, total: int | None, what: str) -> None:
+        if total is not None and total > self.limit:
+            raise _OverCap(
+                f"{what} was {self._larger()}: the server announced {_amount(total)}, "
+                f"{self._allowed()}; nothing was downloaded"
+            )
+
+    def check_received(self, done: int, what: str) -> None:
+        if done > self.limit:
+            raise _OverCap(
+                f"{what} was {self._larger()}: the server sent more than {_amount(self.limit)}, "
+                f"{self._allowed()}; the download was stopped and deleted"
+            )
+
+    def _larger(self) -> str:
+        return "larger than offered" if self.offered else "larger than an update may be"
+
+    def _allowed(self) -> str:
+        amount = _amount(self.limit)
+        return f"the offer said {amount}" if self.offered else f"the limit is {amount}"
+
+
+def _amount(n_bytes: int) -> str:
+    whole_gib, rest = divmod(n_bytes, 1024**3)
+    return f"{whole_gib} GiB" if whole_gib and not rest else f"{n_bytes:,} bytes"
 
 
 @dataclass(frozen=True)
@@ -53,15 +105,19 @@ async def download_verified(
     sha256: str,
     what: str,
     on_progress: ProgressCallback,
+    size: int | None = None,
     policy: DownloadPolicy = DownloadPolicy(),
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> Path:
-    """Download `url` to `destination` (via `destination.part`) and return it once its hash matches."""
+    """Download `url` to `destination` (via `destination.part`) and return it once its hash matches.
+
+    `size` is the offer's (bytes, or None when it gives none); the download stops past it."""
     part = destination.with_name(destination.name + ".part")
     part.parent.mkdir(parents=True, exist_ok=True)
     fetch = _Fetch(client, url, part, what, on_progress, policy, clock)
     try:
+        fetch.cap = _Cap.of(size, policy, what)
         await _with_retries(fetch, policy, sleep)
         await _check_hash(part, sha256, what)
     except UpdateRefused as exc:
@@ -117,6 +173,7 @@ class _Fetch:
         self.client, self.url, self.part, self.what = client, url, part, what
         self.on_progress, self.policy, self.clock = on_progress, policy, clock
         self.total: int | None = None
+        self.cap = _Cap(policy.max_bytes, offered=False)
         self.started = clock()
         self.resumed_from = self.done_bytes()
 
@@ -128,9 +185,13 @@ class _Fetch:
         headers = {"Accept-Encoding": "identity"}
         if offset:
             headers["Range"] = f"bytes={offset}-"
-        async with self.client.stream("GET", self.url, headers=headers) as response:
-            append = self._accept(response, offset)
-            await self._write_body(response, append)
+        try:
+            async with self.client.stream("GET", self.url, headers=headers) as response:
+                append = self._accept(response, offset)
+                await self._write_body(response, append)
+        except _OverCap:
+            self.part.unlink(missing_ok=True)  # closed by now; an oversized file is never resumed
+            raise
         done = self.done_bytes()
         if self.total is not None and done < self.total:
             raise _Interrupted(f"received {done} of {self.total} bytes")
@@ -155,22 +216,16 @@ class _Fetch:
 
     async def _write_body(self, response: httpx.Response, append: bool) -> None:
         """Append the body to the partial file; disk writes go to a thread, in blocks of FLUSH_BYTES."""
-        if self.total is not None and self.total > self.policy.max_bytes:
-            raise UpdateRefused(
-                f"{self.what} is {self.total} bytes, over the {self.policy.max_bytes}-byte limit"
-            )
+        self.cap.check_announced(self.total, self.what)
         done = self.done_bytes() if append else 0
         out = await asyncio.to_thread(open, self.part, "ab" if append else "wb")
         pending = bytearray()
         last_report = 0.0
         try:
             async for chunk in response.aiter_raw():
-                pending += chunk
                 done += len(chunk)
-                if done > self.policy.max_bytes:
-                    raise UpdateRefused(
-                        f"{self.what} is over the {self.policy.max_bytes}-byte limit"
-                    )
+                self.cap.check_received(done, self.what)
+                pending += chunk
                 if len(pending) >= FLUSH_BYTES:
                     await asyncio.to_thread(out.write, bytes(pending))
                     pending.clear()

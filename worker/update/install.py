@@ -4,7 +4,8 @@
     ROOT/current               which version starts: a symlink to versions/<v> (POSIX) or a
                                file holding the version (Windows), replaced atomically
     ROOT/previous              the version to roll back to (absent: the packaged build)
-    ROOT/rejected.txt          versions that failed to reach `hello`; never started or installed again
+    ROOT/rejected.txt          versions that crashed or hung before reaching `hello`; never started or
+                               installed again (one that started but could not connect is not listed)
     ROOT/staging/              downloads in progress and archives being unpacked
 
 No `current` means "run the build the installer put in place". The layout and the rollback rules
@@ -236,20 +237,45 @@ def hello_marker(paths: Paths) -> Path:
     return paths.data_dir / HELLO_MARKER_NAME
 
 
+def mark_started(paths: Paths, version: str, *, now: float | None = None) -> None:
+    """Called by the node once it owns the data folder and is about to connect: from here on, a
+    version that never reaches `hello` is more likely offline than broken."""
+    _mark(paths, version, "started", now)
+
+
 def mark_hello_reached(paths: Paths, version: str, *, now: float | None = None) -> None:
     """Called by the node when it sends `hello`: proves to the updater that this version works."""
-    record = {"version": version, "at": time.time() if now is None else now}
-    _atomic_write_text(hello_marker(paths), json.dumps(record) + "\n")
+    _mark(paths, version, "hello", now)
 
 
 def hello_reached_by(paths: Paths) -> str | None:
-    """The version that last wrote the marker, or None (no marker, or an unreadable one)."""
+    """The version that last reached `hello`, or None (no marker, an unreadable one, or one that
+    only says "started")."""
+    record = _read_marker(paths)
+    return record[0] if record is not None and record[1] == "hello" else None
+
+
+def started_by(paths: Paths) -> str | None:
+    """The version that last started its core (or got further), or None."""
+    record = _read_marker(paths)
+    return record[0] if record is not None else None
+
+
+def _mark(paths: Paths, version: str, stage: Literal["started", "hello"], now: float | None) -> None:
+    record = {"version": version, "stage": stage, "at": time.time() if now is None else now}
+    _atomic_write_text(hello_marker(paths), json.dumps(record) + "\n")
+
+
+def _read_marker(paths: Paths) -> tuple[str, str] | None:
+    """(version, stage); a record without a stage is an older build's, written at `hello`."""
     try:
         record = json.loads(hello_marker(paths).read_text(encoding="utf-8"))
     except (FileNotFoundError, ValueError):
         return None
-    version = record.get("version") if isinstance(record, dict) else None
-    return version if isinstance(version, str) else None
+    if not isinstance(record, dict) or not isinstance(record.get("version"), str):
+        return None
+    stage = record.get("stage", "hello")
+    return (record["version"], stage) if stage in ("started", "hello") else None
 
 
 # --- handing over to an installed newer version at start -------------------------------------

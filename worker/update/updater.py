@@ -6,7 +6,10 @@ is unpacked. Applying waits until no request is in flight (or the user clicks "i
 stops the engine children and waits until they are gone (an engine that outlives its app holds
 the GPU and the port, and the new version would fail to start), switches `current`, starts the
 new version, and switches back if that version does not prove within `hello_timeout_s` that it
-reached `hello`.
+reached `hello`. Before it starts the new version, the node gives up its data folder (the new
+version must own it to start at all) and takes it back after a rollback. A version that crashed,
+or hung before its core started, is never tried again; one that started but could not reach the
+coordinator (the network may be down) is rolled back and may be offered again.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from worker.update.install import (
     hello_marker,
     hello_reached_by,
     install_root,
+    started_by,
     unpack,
 )
 from worker.update.verify import (
@@ -70,7 +74,7 @@ class NodeHooks:
     """What the updater needs from the node.
 
     `stop_serving` stops the engine children and returns only once they are gone; it also closes
-    the coordinator link and releases the single-instance lock, so the new version can take over.
+    the coordinator link and gives up the data folder, so that the new version can own it.
     `resume_serving` undoes that after a rollback. `exit_app` ends this process once the new
     version runs.
     """
@@ -99,6 +103,14 @@ class UpdaterOptions:
     download: DownloadPolicy = field(default_factory=DownloadPolicy)
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     clock: Callable[[], float] = time.monotonic
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why a new version was rolled back, and whether it may ever be tried again."""
+
+    reason: str
+    blacklist: bool
 
 
 class Updater:
@@ -142,7 +154,7 @@ class Updater:
                 verified = self._verify(update)
                 if verified is None:
                     return False
-                await self._stage(verified)
+                await self._stage(verified, update.size)
             except (UpdateRefused, httpx.HTTPError, OSError) as exc:
                 log.warning("update refused: %s", exc)
                 self._set(UpdateStatus("refused", update.version, str(exc)))
@@ -210,7 +222,7 @@ class Updater:
             platform_name=self._options.platform_name,
         )
 
-    async def _stage(self, verified: UpdateOffer) -> None:
+    async def _stage(self, verified: UpdateOffer, size: int | None) -> None:
         self._set(UpdateStatus("downloading", verified.version))
         archive = self._install.staging_dir / f"gpu-provider-{verified.version}.archive"
         self._discard_other_downloads(archive)
@@ -222,6 +234,7 @@ class Updater:
                 sha256=verified.sha256,
                 what=f"update {verified.version}",
                 on_progress=self._on_progress,
+                size=size,  # the offer's: the download stops past it
                 policy=self._options.download,
                 sleep=self._options.sleep,
                 clock=self._options.clock,
@@ -273,13 +286,14 @@ class Updater:
             self._hooks.exit_app()
             return True
         self._install.roll_back()
-        self._install.reject(staged.version)
-        log.error("update %s rolled back: %s", staged.version, failure)
-        self._set(UpdateStatus("rolled_back", staged.version, failure))
+        if failure.blacklist:
+            self._install.reject(staged.version)
+        log.error("update %s rolled back: %s", staged.version, failure.reason)
+        self._set(UpdateStatus("rolled_back", staged.version, failure.reason))
         await self._hooks.resume_serving()
         return False
 
-    async def _start_and_confirm(self, version: str) -> str | None:
+    async def _start_and_confirm(self, version: str) -> _Failure | None:
         """Start the new version; None once it wrote the hello marker, else why it failed."""
         marker = hello_marker(self._paths)
         marker.unlink(missing_ok=True)
@@ -294,7 +308,7 @@ class Updater:
                 **_detached(),
             )
         except OSError as exc:
-            return f"could not start {executable}: {exc}"
+            return _Failure(f"could not start {executable}: {exc}", blacklist=True)
         failure = await self._await_hello(process, version)
         if failure is not None:
             await _stop(process)
@@ -302,17 +316,27 @@ class Updater:
 
     async def _await_hello(
         self, process: asyncio.subprocess.Process, version: str
-    ) -> str | None:
+    ) -> _Failure | None:
         deadline = self._options.clock() + self._options.hello_timeout_s
         while self._options.clock() < deadline:
             if hello_reached_by(self._paths) == version:
                 return None
             if process.returncode is not None:
-                return f"version {version} exited with code {process.returncode} before reaching hello"
+                return _Failure(
+                    f"version {version} exited with code {process.returncode} before reaching hello",
+                    blacklist=True,
+                )
             await self._options.sleep(self._options.marker_poll_s)
         if hello_reached_by(self._paths) == version:
             return None
-        return f"version {version} did not reach hello within {self._options.hello_timeout_s:g} s"
+        waited = f"{self._options.hello_timeout_s:g} s"
+        if started_by(self._paths) == version and process.returncode is None:
+            return _Failure(
+                f"version {version} started but could not reach the coordinator within {waited} "
+                "(is the network down?); it will be tried again",
+                blacklist=False,
+            )
+        return _Failure(f"version {version} did not reach hello within {waited}", blacklist=True)
 
     def _set(self, status: UpdateStatus) -> None:
         self._status = status

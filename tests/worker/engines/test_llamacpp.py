@@ -55,15 +55,30 @@ def test_command():
     )
     assert argv == [
         "/opt/llama/llama-server", "-m", "/models/q.gguf", "--ctx-size", "32768", "--host", "127.0.0.1",
-        "--port", "18101", "--api-key", "k-9", "--alias", "qwen", "--metrics",
-    ]
+        "--port", "18101", "--alias", "qwen", "--metrics",
+    ]  # the key is never on the command line: any local user can read it there
+
+
+def test_command_on_a_unix_socket():
+    argv = llamacpp.command(["llama-server"], "/m.gguf", [], port=18101, api_key="k-9", served_name="qwen",
+                            socket_path="/run/engines/e0.sock")
+    assert argv == ["llama-server", "-m", "/m.gguf", "--host", "/run/engines/e0.sock", "--alias", "qwen", "--metrics"]
 
 
 def test_environment_scrubs_llama_settings_and_the_token():
     env = llamacpp.environment(
-        {"HOME": "/h", "LLAMA_ARG_HOST": "0.0.0.0", "LLAMA_API_KEY": "x", "GPU_PROVIDER_TOKEN": "t"}, []
+        {"HOME": "/h", "LLAMA_ARG_HOST": "0.0.0.0", "LLAMA_API_KEY": "x", "GPU_PROVIDER_TOKEN": "t",
+         "AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": "9"}, []
     )
     assert env == {"HOME": "/h", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_environment_carries_the_key_and_points_config_lookup_at_the_apps_folder():
+    env = llamacpp.environment({"HOME": "/h", "XDG_CONFIG_HOME": "/h/.config"}, [0], api_key="k-9",
+                               config_home="/data/run/engines")
+    assert env["LLAMA_API_KEY"] == "k-9" and env["XDG_CONFIG_HOME"] == "/data/run/engines" and "APPDATA" not in env
+    windows = llamacpp.environment({"APPDATA": r"C:\Users\u\AppData\Roaming"}, [0], config_home=r"C:\gp\run\engines")
+    assert windows["APPDATA"] == r"C:\gp\run\engines"
 
 
 def test_mask_argv():

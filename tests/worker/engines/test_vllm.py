@@ -102,11 +102,12 @@ def test_command_puts_app_owned_flags_last():
     )
     assert argv == [
         "/opt/venv/bin/vllm", "serve", "org/Model", "--max-model-len", "32768", "--host", "0.0.0.0",
-        "--tensor-parallel-size", "2", "--host", "127.0.0.1", "--port", "18100", "--api-key", "k-123",
-        "--served-model-name", "qwen",
-    ]
+        "--tensor-parallel-size", "2", "--host", "127.0.0.1", "--port", "18100", "--served-model-name", "qwen",
+    ]  # the key is never on the command line: any local user can read it there
     single = vllm.command(["vllm"], "m", [], port=1, api_key="k", served_name="n")
     assert "--tensor-parallel-size" not in single
+    on_socket = vllm.command(["vllm"], "m", [], port=1, api_key="k", served_name="n", socket_path="/r/e0.sock")
+    assert on_socket == ["vllm", "serve", "m", "--host", "127.0.0.1", "--uds", "/r/e0.sock", "--served-model-name", "n"]
 
 
 def test_environment_is_deliberate():
@@ -119,6 +120,8 @@ def test_environment_is_deliberate():
     assert env["VLLM_LOGGING_COLOR"] == "0" and env["NO_COLOR"] == "1"
     assert env["PATH"] == "/usr/bin"
     assert not {"GPU_PROVIDER_TOKEN", "VLLM_API_KEY", "VLLM_LOGGING_CONFIG_PATH"} & set(env)
+    keyed = vllm.environment({"VLLM_API_KEY": "inherited"}, [0], api_key="k-123", config_home="/data/run/engines")
+    assert keyed["VLLM_API_KEY"] == "k-123" and keyed["XDG_CONFIG_HOME"] == "/data/run/engines"
 
 
 def test_mask_argv_hides_every_key_value():
@@ -131,12 +134,6 @@ def test_endpoints_and_auth():
     assert vllm.ENDPOINTS["health"].path == "/health" and not vllm.ENDPOINTS["health"].needs_api_key
     assert vllm.ENDPOINTS["models"].needs_api_key
     assert not vllm.ENDPOINTS["metrics"].needs_api_key
-
-
-def test_speculative_custom_class_is_code_execution():
-    assert vllm.code_execution_reason(["--speculative-config", '{"method": "custom_class"}'])
-    assert vllm.code_execution_reason(["--speculative-config.method=custom_class"])
-    assert vllm.code_execution_reason(["--speculative-config", '{"method": "mtp"}']) is None
 
 
 def test_get_adapter():

@@ -199,3 +199,16 @@ def test_live_detect_on_this_machine_is_fast():
     protocol.HardwareInfo.model_validate(machine.to_detect_json()["hardware"])
     assert machine.runtime in ("cpu", "native", "wsl2")
     assert elapsed < 1.0
+
+
+def test_a_hardware_file_with_null_for_what_a_card_lacks_is_read() -> None:
+    """An Apple GPU has no PCIe link; the contract lets readers accept null for any such field."""
+    data = replay("rtx4090.json").to_detect_json()
+    gpu = data["hardware"]["gpus"][0]
+    gpu.update(pcie=None, compute_capability=None, power_limit_w=None, memory_bandwidth_gbps=None,
+               peer_to_peer=None, vendor=None)
+    data["hardware"]["groups"][0]["peer_to_peer"] = None
+    machine = Machine.from_detect_json(data)
+    [card] = machine.gpus
+    assert (card.pcie_gen, card.pcie_width, card.compute_capability) == (None, None, None)
+    assert machine.groups[0].peer_to_peer is False and card.memory_total_mib == gpu["memory_total_mib"]

@@ -67,3 +67,20 @@ def test_engine_bins_override_the_search(tmp_path):
     engines = find_engines("Linux", {"llamacpp": str(server)})
     assert engines["llamacpp"].version == "b7001"
     assert os.path.samefile(engines["llamacpp"].path, server)
+
+
+
+SECRETS = {"GPU_PROVIDER_TOKEN": "tok-secret", "VLLM_API_KEY": "vk", "LLAMA_API_KEY": "lk",
+           "LLAMA_ARG_HOST": "0.0.0.0"}
+
+
+def test_version_probes_get_no_token_key_or_llama_arg(tmp_path, monkeypatch):
+    """The probe runs an engine binary: it gets what an engine child gets, never the provider token."""
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    server = _script(tmp_path / "llama-server", f'env >> "{tmp_path}/seen"\necho "version: 1 (abc)" >&2\n')
+    found = find_llama_server(str(server), run_for_version)  # the app's own environment
+    run_for_version([str(server)], 5.0, {**SECRETS, "PATH": os.environ["PATH"], "EXTRA": "1"})  # one given
+    names = [line.split("=", 1)[0] for line in (tmp_path / "seen").read_text().splitlines()]
+    assert found.version == "b1" and names.count("PATH") == 2 and "EXTRA" in names
+    assert [name for name in SECRETS if name in names] == []

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -176,3 +178,110 @@ async def test_hashing_matches_hashlib(tmp_path: Path) -> None:
     path.write_bytes(BODY)
 
     assert await sha256_of(path) == DIGEST
+
+
+CAP = 1024 * 1024 + 1024 * 1024 // 10  # weights_mib=1 plus 10 %
+BIG = os.urandom(16 * 1024 * 1024)
+
+
+def watching(part: Path, seen: list[int]) -> Callable[[DownloadProgress], None]:
+    """A progress callback that records, at every event, the bytes received and the `.part`'s size on disk."""
+
+    def on_progress(event: DownloadProgress) -> None:
+        seen.append(max(event.done_bytes, part.stat().st_size if part.exists() else 0))
+
+    return on_progress
+
+
+def ticking() -> Callable[[], float]:
+    """A clock that moves a second per reading, so the meter reports every chunk."""
+    return itertools.count(step=1.0).__next__
+
+
+async def test_chunked_body_without_a_length_stops_at_the_cap_and_leaves_nothing(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    server.add("m.gguf", BIG, chunked=True)
+    dest = tmp_path / "cache" / "m.gguf"
+    seen: list[int] = []
+
+    with pytest.raises(ProvisionError) as failure:
+        await downloader(client, clock=ticking()).fetch(
+            server.url("m.gguf"),
+            dest,
+            what="model m",
+            on_progress=watching(dest.with_name("m.gguf.part"), seen),
+            max_bytes=CAP,
+            size_said="the 1 MiB the assignment gave (plus 10 %)",
+        )
+
+    assert "larger than" in failure.value.problem.message
+    assert "the 1 MiB the assignment gave" in failure.value.problem.message
+    assert seen and max(seen) <= CAP
+    assert list(dest.parent.iterdir()) == []
+
+
+async def test_server_announcing_a_small_size_and_sending_more_is_stopped_at_the_cap(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    server.add("m.gguf", BIG, claimed_size=1000)
+    dest = tmp_path / "cache" / "m.gguf"
+    seen: list[int] = []
+
+    with pytest.raises(ProvisionError) as failure:
+        await downloader(client, clock=ticking()).fetch(
+            server.url("m.gguf"),
+            dest,
+            what="model m",
+            on_progress=watching(dest.with_name("m.gguf.part"), seen),
+            max_bytes=CAP,
+        )
+
+    assert failure.value.problem.title == "Download larger than expected"
+    assert max(seen) <= CAP
+    assert list(dest.parent.iterdir()) == []
+
+
+async def test_announced_length_over_the_cap_is_refused_before_writing(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path, progress: list[DownloadProgress]
+) -> None:
+    server.add("m.gguf", BIG)
+    dest = tmp_path / "cache" / "m.gguf"
+
+    with pytest.raises(ProvisionError):
+        await downloader(client).fetch(
+            server.url("m.gguf"), dest, what="model m", on_progress=progress.append, max_bytes=CAP
+        )
+
+    assert all(event.done_bytes == 0 for event in progress)
+    assert list(dest.parent.iterdir()) == []
+
+
+async def test_part_already_over_the_cap_is_deleted_without_asking_the_server(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path, progress: list[DownloadProgress]
+) -> None:
+    server.add("m.gguf", BIG)
+    dest = tmp_path / "cache" / "m.gguf"
+    dest.parent.mkdir()
+    dest.with_name("m.gguf.part").write_bytes(BIG[: CAP + 1])
+
+    with pytest.raises(ProvisionError):
+        await downloader(client).fetch(
+            server.url("m.gguf"), dest, what="model m", on_progress=progress.append, max_bytes=CAP
+        )
+
+    assert list(dest.parent.iterdir()) == []
+    assert server.requests_for("m.gguf") == []
+
+
+async def test_body_within_the_cap_arrives(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path, progress: list[DownloadProgress]
+) -> None:
+    server.add("m.gguf", BODY, chunked=True)
+    dest = tmp_path / "cache" / "m.gguf"
+
+    await downloader(client).fetch(
+        server.url("m.gguf"), dest, what="model m", on_progress=progress.append, sha256=DIGEST, max_bytes=CAP
+    )
+
+    assert dest.read_bytes() == BODY

@@ -25,8 +25,10 @@ from worker.provision.llamacpp_install import (
     ReleaseManifest,
     Target,
     choose_assets,
+    pin_manifest,
     this_machine,
 )
+from worker.provision.releases import SHIPPED, PinnedAsset, Releases, version_problem
 
 BUILD = "b6500"
 SERVER_SCRIPT = b"#!/bin/sh\necho 'version: 6500 (test build)'\n"
@@ -73,6 +75,12 @@ def serve_release(
     )
 
 
+def pinned(assets: dict[str, bytes], build: str = BUILD) -> Releases:
+    """A pin list (as the app ships) holding exactly these assets of `build`, byte for byte."""
+    pins = {name: PinnedAsset(hashlib.sha256(data).hexdigest(), len(data)) for name, data in assets.items()}
+    return Releases(vllm=("0.33.0",), llamacpp={build: pins})
+
+
 def platform_asset_name(suffix: str = ".zip") -> str:
     target = this_machine("cpu")
     os_tag = {"linux": "ubuntu", "windows": "win-cpu", "macos": "macos"}[target.os]
@@ -86,6 +94,7 @@ async def test_release_is_downloaded_checked_and_unpacked_with_a_working_server(
     serve_release(server, {name: release_zip(), f"llama-{BUILD}-bin-other-os.zip": b"not for us"})
     paths = Paths.under(tmp_path)
     progress: list[DownloadProgress] = []
+    releases = pinned({name: release_zip()})
 
     install = await ensure_engine(
         "llamacpp",
@@ -94,6 +103,7 @@ async def test_release_is_downloaded_checked_and_unpacked_with_a_working_server(
         progress.append,
         downloader=Downloader(client, sleep=no_sleep, margin_bytes=0),
         release_api=server.url("releases/{ref}"),
+        releases=releases,
     )
 
     assert install.location == paths.engines_dir / f"llamacpp-{BUILD}" and install.version == BUILD
@@ -109,7 +119,12 @@ async def test_release_is_downloaded_checked_and_unpacked_with_a_working_server(
 
     assert (
         await ensure_engine(
-            "llamacpp", BUILD, paths, progress.append, release_api="https://unused.invalid/{ref}"
+            "llamacpp",
+            BUILD,
+            paths,
+            progress.append,
+            release_api="https://unused.invalid/{ref}",
+            releases=releases,
         )
         == install
     )
@@ -127,12 +142,13 @@ async def test_tar_release_unpacks_too(
         lambda _: None,
         downloader=Downloader(client, sleep=no_sleep, margin_bytes=0),
         release_api=server.url("releases/{ref}"),
+        releases=pinned({platform_asset_name(".tar.gz"): release_tar()}),
     )
 
     assert Path(install.executable[0]).read_bytes() == SERVER_SCRIPT
 
 
-async def test_release_with_a_wrong_hash_is_never_unpacked(
+async def test_release_page_digest_that_differs_from_the_pin_is_refused_before_downloading(
     server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
     name = platform_asset_name()
@@ -147,11 +163,126 @@ async def test_release_with_a_wrong_hash_is_never_unpacked(
             lambda _: None,
             downloader=Downloader(client, sleep=no_sleep, margin_bytes=0),
             release_api=server.url("releases/{ref}"),
+            releases=pinned({name: release_zip()}),
+        )
+
+    assert "sha256" in failure.value.problem.message and "ships with" in failure.value.problem.message
+    assert not server.requests_for(f"download/{BUILD}/{name}")
+    assert not (paths.engines_dir / f"llamacpp-{BUILD}").exists()
+
+
+async def test_asset_whose_bytes_differ_from_the_pin_is_never_unpacked(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """The release page agrees with the pin, but the bytes served are not the pinned ones."""
+    name = platform_asset_name()
+    genuine = release_zip()
+    tampered = genuine[:-1] + bytes([genuine[-1] ^ 1])
+    serve_release(server, {name: tampered}, digests={name: hashlib.sha256(genuine).hexdigest()})
+    paths = Paths.under(tmp_path)
+
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine(
+            "llamacpp",
+            BUILD,
+            paths,
+            lambda _: None,
+            downloader=Downloader(client, sleep=no_sleep, margin_bytes=0),
+            release_api=server.url("releases/{ref}"),
+            releases=pinned({name: genuine}),
         )
 
     assert "sha256" in failure.value.problem.message
     assert not (paths.engines_dir / f"llamacpp-{BUILD}").exists()
     assert not list(paths.engines_dir.rglob("llama-server"))
+
+
+async def test_asset_larger_than_pinned_is_stopped(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    name = platform_asset_name()
+    genuine = release_zip()
+    serve_release(
+        server,
+        {name: genuine + os.urandom(4 * 1024 * 1024)},
+        digests={name: hashlib.sha256(genuine).hexdigest()},
+    )
+    paths = Paths.under(tmp_path)
+
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine(
+            "llamacpp",
+            BUILD,
+            paths,
+            lambda _: None,
+            downloader=Downloader(client, sleep=no_sleep, margin_bytes=0),
+            release_api=server.url("releases/{ref}"),
+            releases=pinned({name: genuine}),
+        )
+
+    assert "the size this app pins" in failure.value.problem.message
+    assert not [p for p in paths.engines_dir.rglob("*") if p.is_file()]
+
+
+async def test_build_missing_from_the_pin_list_is_refused_without_asking_the_network(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    serve_release(server, {platform_asset_name(): release_zip()})
+
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine(
+            "llamacpp",
+            BUILD,
+            Paths.under(tmp_path),
+            lambda _: None,
+            downloader=Downloader(client),
+            release_api=server.url("releases/{ref}"),
+            releases=pinned({}, build="b7000"),
+        )
+
+    assert "llama.cpp version b6500 is not one this app ships with (b7000)" in failure.value.problem.message
+    assert server.requests == []
+
+
+async def test_asset_missing_from_the_pin_list_is_refused(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    serve_release(server, {platform_asset_name(): release_zip()})
+
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine(
+            "llamacpp",
+            BUILD,
+            Paths.under(tmp_path),
+            lambda _: None,
+            downloader=Downloader(client),
+            release_api=server.url("releases/{ref}"),
+            releases=pinned({f"llama-{BUILD}-bin-some-other-os.zip": b"x"}),
+        )
+
+    assert "among those this app ships with" in failure.value.problem.message
+    assert not server.requests_for(f"download/{BUILD}/{platform_asset_name()}")
+
+
+async def test_no_version_installs_the_newest_pinned_build(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    name = platform_asset_name()
+    serve_release(server, {name: release_zip()})
+    releases = Releases(vllm=(), llamacpp={**pinned({name: release_zip()}).llamacpp, "b10": {}})
+
+    install = await ensure_engine(
+        "llamacpp",
+        None,
+        Paths.under(tmp_path),
+        lambda _: None,
+        downloader=Downloader(client, sleep=no_sleep, margin_bytes=0),
+        release_api=server.url("releases/{ref}"),
+        releases=releases,
+    )
+
+    assert install.version == BUILD
+    assert not server.requests_for("releases/latest")
 
 
 async def test_unknown_build_is_a_clear_failure(
@@ -165,6 +296,7 @@ async def test_unknown_build_is_a_clear_failure(
             lambda _: None,
             downloader=Downloader(client),
             release_api=server.url("releases/{ref}"),
+            releases=pinned({}, build="b1"),
         )
 
     assert "HTTP 404" in failure.value.problem.message
@@ -225,3 +357,56 @@ def test_assets_without_a_digest_are_ignored() -> None:
     }
 
     assert [a.name for a in ReleaseManifest.from_release_json(BUILD, data).assets] == ["b.zip"]
+
+
+@pytest.mark.parametrize(
+    ("engine", "version"),
+    [("vllm", None), ("vllm", "0.33.0"), ("llamacpp", None), ("llamacpp", "b10423"), ("llamacpp", "10423")],
+)
+def test_shipped_versions_and_none_are_allowed(engine: str, version: str | None) -> None:
+    assert version_problem(engine, version) is None
+
+
+@pytest.mark.parametrize(
+    ("engine", "version", "says"),
+    [
+        ("vllm", "0.8.5", "vLLM version 0.8.5 is not one this app ships with (0.33.0)"),
+        ("llamacpp", "b6500", "llama.cpp version b6500 is not one this app ships with (b10423)"),
+        ("vllm", "../../etc", "is not a version number"),
+        ("ollama", "1.0", "engine 'ollama' is not one this app runs"),
+    ],
+)
+def test_unlisted_engine_versions_are_refused_with_what_to_do(engine: str, version: str, says: str) -> None:
+    problem = version_problem(engine, version)
+
+    assert problem is not None and says in problem
+    if "ships with" in problem:
+        assert "update the app" in problem
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        Target("linux", "x64", "cpu"),
+        Target("linux", "arm64", "cpu"),
+        Target("linux", "x64", "cuda", (12, 4)),
+        Target("macos", "arm64", "metal"),
+        Target("macos", "x64", "cpu"),
+        Target("windows", "x64", "cpu"),
+        Target("windows", "x64", "cuda", (12, 8)),
+    ],
+)
+def test_every_platform_finds_a_pinned_build_in_what_the_app_ships(target: Target) -> None:
+    """The pin list's names are the ones the installer picks: a typo there would leave a platform without a build."""
+    build = SHIPPED.default_llamacpp
+    assert build is not None
+    pins = SHIPPED.llamacpp[build]
+    page = ReleaseManifest(build, tuple(ReleaseAsset(n, f"https://x/{n}", p.sha256) for n, p in pins.items()))
+
+    chosen = choose_assets(pin_manifest(page, pins), target)
+
+    assert chosen and all(
+        pins[a.name].sha256 == a.sha256 and a.size_bytes == pins[a.name].size_bytes for a in chosen
+    )
+    if target.accelerator == "cuda" and target.os == "windows":
+        assert [a.name for a in chosen][1].startswith("cudart-")

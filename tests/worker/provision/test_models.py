@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from pathlib import Path
@@ -23,7 +24,8 @@ OPTIONS = ModelOptions(free_bytes=lambda _: 10**12, sleep=no_sleep, margin_bytes
 
 
 def engine_model(source: str, **fields: object) -> protocol.EngineModel:
-    return protocol.EngineModel(source=source, weights_mib=1, **fields)  # type: ignore[arg-type]
+    fields.setdefault("weights_mib", 1)
+    return protocol.EngineModel(source=source, **fields)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -165,7 +167,7 @@ async def test_hugging_face_download_short_of_disk_names_the_shortfall(
 
     with hub_trusting(server), pytest.raises(ProvisionError) as failure:
         await ensure_model(
-            engine_model("org/big"),
+            engine_model("org/big", weights_mib=3),
             "vllm",
             paths,
             Settings(),
@@ -235,13 +237,16 @@ async def test_missing_local_path_is_a_clear_failure(
 async def test_least_recently_used_models_are_evicted_past_the_limit(
     server: HttpsServer, client: httpx.AsyncClient, paths: Paths, progress: list[DownloadProgress]
 ) -> None:
+    digests = {}
     for name in ("a", "b", "c"):
-        server.add(f"{name}.gguf", os.urandom(1024 * 1024))
+        body = os.urandom(1024 * 1024)
+        server.add(f"{name}.gguf", body)
+        digests[name] = hashlib.sha256(body).hexdigest()
     settings = Settings(model_cache_limit_gib=2.5 / 1024)
     got = {}
     for name in ("a", "b"):
         got[name] = await ensure_model(
-            engine_model(server.url(f"{name}.gguf")),
+            engine_model(server.url(f"{name}.gguf"), sha256=digests[name]),
             "llamacpp",
             paths,
             settings,
@@ -250,7 +255,7 @@ async def test_least_recently_used_models_are_evicted_past_the_limit(
             options=OPTIONS,
         )
     await ensure_model(
-        engine_model(server.url("a.gguf")),
+        engine_model(server.url("a.gguf"), sha256=digests["a"]),
         "llamacpp",
         paths,
         settings,
@@ -260,7 +265,7 @@ async def test_least_recently_used_models_are_evicted_past_the_limit(
     )
 
     got["c"] = await ensure_model(
-        engine_model(server.url("c.gguf")),
+        engine_model(server.url("c.gguf"), sha256=digests["c"]),
         "llamacpp",
         paths,
         settings,
@@ -271,3 +276,240 @@ async def test_least_recently_used_models_are_evicted_past_the_limit(
 
     assert got["a"].exists() and got["c"].exists()
     assert not got["b"].exists()
+
+
+MIB = 1024 * 1024
+SECRET = b"root:x:0:0:SECRET-MARKER-7f3a9c:/root:/bin/bash\n"
+
+
+async def failure_of(
+    model: protocol.EngineModel, engine: str, paths: Paths, **kwargs: object
+) -> ProvisionError:
+    """The ProvisionError `ensure_model` raises (within 10 s: a check that blocks on a FIFO fails here)."""
+    with pytest.raises(ProvisionError) as failure:
+        await asyncio.wait_for(
+            ensure_model(model, engine, paths, Settings(), lambda _: None, options=OPTIONS, **kwargs),  # type: ignore[arg-type]
+            timeout=10,
+        )
+    return failure.value
+
+
+async def test_download_is_saved_under_the_apps_own_name_inside_the_cache(
+    server: HttpsServer, client: httpx.AsyncClient, paths: Paths, progress: list[DownloadProgress]
+) -> None:
+    server.add("m/Startup-x.gguf", GGUF)
+
+    path = await ensure_model(
+        engine_model(server.url("m/Startup-x.gguf"), sha256=GGUF_SHA),
+        "llamacpp",
+        paths,
+        Settings(),
+        progress.append,
+        http=client,
+        options=OPTIONS,
+    )
+
+    assert path == paths.models_dir / "gguf" / f"{GGUF_SHA}.gguf"
+    assert path.read_bytes() == GGUF
+    assert "Startup-x.gguf" in progress[-1].what
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        "..\\..\\..\\AppData\\Roaming\\Microsoft\\Windows\\Start Menu\\Programs\\Startup\\x.bat",
+        "..\\..\\..\\AppData\\Roaming\\Microsoft\\Windows\\Start%20Menu\\Programs\\Startup\\x.gguf",
+        "..%5c..%5c..%5cStartup%5cx.gguf",
+    ],
+)
+async def test_url_with_backslashes_is_refused_before_anything_is_fetched_or_written(
+    server: HttpsServer, client: httpx.AsyncClient, paths: Paths, tmp_path: Path, tail: str
+) -> None:
+    server.add("m/x.gguf", GGUF)
+    url = server.url("m/") + tail
+
+    failure = await failure_of(engine_model(url, sha256=GGUF_SHA), "llamacpp", paths, http=client)
+
+    assert failure.problem.title == "Model source not usable"
+    assert "backslash" in failure.problem.message
+    assert server.requests == []
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.parent.name != "served"]
+
+
+@pytest.mark.parametrize(
+    "source", ["\\\\host\\share\\m.gguf", "//host/share/m.gguf", "\\\\?\\C:\\m.gguf", "\\\\.\\PhysicalDrive0"]
+)
+async def test_network_and_device_namespace_paths_are_refused(paths: Paths, source: str) -> None:
+    failure = await failure_of(engine_model(source), "llamacpp", paths)
+
+    assert "network (UNC) or device path" in failure.problem.message
+
+
+async def test_dev_zero_is_refused(paths: Paths) -> None:
+    failure = await failure_of(engine_model("/dev/zero"), "llamacpp", paths)
+
+    assert "/dev" in failure.problem.message
+
+
+async def test_link_to_a_device_is_refused(tmp_path: Path, paths: Paths) -> None:
+    link = tmp_path / "m.gguf"
+    link.symlink_to("/dev/zero")
+
+    failure = await failure_of(engine_model(str(link)), "llamacpp", paths)
+
+    assert str(link) in failure.problem.message and "/dev" in failure.problem.message
+
+
+async def test_fifo_is_refused_without_blocking(tmp_path: Path, paths: Paths) -> None:
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)
+
+    failure = await failure_of(engine_model(str(fifo)), "llamacpp", paths)
+
+    assert "device, pipe or socket" in failure.problem.message
+
+
+async def test_fifo_named_gguf_in_a_folder_is_refused_without_blocking(tmp_path: Path, paths: Paths) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    os.mkfifo(tmp_path / "pipe")
+    (folder / "m.gguf").symlink_to(tmp_path / "pipe")
+
+    failure = await failure_of(engine_model(str(folder)), "llamacpp", paths)
+
+    assert "GGUF" in failure.problem.message
+
+
+async def test_file_that_is_not_gguf_is_refused_and_the_error_quotes_none_of_it(
+    tmp_path: Path, paths: Paths
+) -> None:
+    secret = tmp_path / "passwd.gguf"
+    secret.write_bytes(SECRET)
+
+    failure = await failure_of(engine_model(str(secret)), "llamacpp", paths)
+
+    assert str(secret) in failure.problem.message and "GGUF" in failure.problem.message
+    assert "SECRET-MARKER" not in str(failure) and "root:x" not in str(failure)
+
+
+async def test_etc_passwd_is_refused_and_the_error_quotes_none_of_it(paths: Paths) -> None:
+    first_line = Path("/etc/passwd").read_bytes().split(b"\n")[0].decode(errors="replace")
+
+    failure = await failure_of(engine_model("/etc/passwd"), "llamacpp", paths)
+
+    assert "/etc/passwd" in failure.problem.message
+    assert first_line[:12] not in str(failure)
+
+
+async def test_hash_of_a_file_that_is_not_gguf_is_never_reported(tmp_path: Path, paths: Paths) -> None:
+    secret = tmp_path / "passwd.gguf"
+    secret.write_bytes(SECRET)
+
+    failure = await failure_of(engine_model(str(secret), sha256="0" * 64), "llamacpp", paths)
+
+    assert hashlib.sha256(SECRET).hexdigest() not in str(failure)
+
+
+async def test_folder_without_config_json_is_refused_for_vllm(tmp_path: Path, paths: Paths) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"\0" * 64)
+
+    failure = await failure_of(engine_model(str(folder)), "vllm", paths)
+
+    assert str(folder) in failure.problem.message and "config.json" in failure.problem.message
+
+
+async def test_gguf_file_is_refused_for_vllm(tmp_path: Path, paths: Paths) -> None:
+    local = tmp_path / "mine.gguf"
+    local.write_bytes(GGUF)
+
+    failure = await failure_of(engine_model(str(local)), "vllm", paths)
+
+    assert "config.json" in failure.problem.message
+
+
+async def test_download_over_the_assignment_size_is_stopped_and_deleted(
+    server: HttpsServer, client: httpx.AsyncClient, paths: Paths
+) -> None:
+    server.add("m.gguf", os.urandom(4 * MIB), chunked=True)
+
+    failure = await failure_of(
+        engine_model(server.url("m.gguf"), sha256=GGUF_SHA), "llamacpp", paths, http=client
+    )
+
+    assert "the 1 MiB the assignment gave" in failure.problem.message
+    assert not [p for p in paths.models_dir.rglob("*") if p.is_file() and p.name != "index.json.lock"]
+
+
+async def test_download_over_the_cache_limit_is_stopped_and_deleted(
+    server: HttpsServer, client: httpx.AsyncClient, paths: Paths
+) -> None:
+    server.add("m.gguf", os.urandom(4 * MIB), chunked=True)
+    settings = Settings(model_cache_limit_gib=1.05 / 1024)
+
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_model(
+            engine_model(server.url("m.gguf"), sha256=GGUF_SHA),
+            "llamacpp",
+            paths,
+            settings,
+            lambda _: None,
+            http=client,
+            options=OPTIONS,
+        )
+
+    assert "model cache limit" in failure.value.problem.message
+    assert not list((paths.models_dir / "gguf").iterdir())
+
+
+async def test_model_larger_than_the_cache_limit_is_refused_before_downloading(
+    server: HttpsServer, client: httpx.AsyncClient, paths: Paths
+) -> None:
+    server.add("m.gguf", GGUF)
+
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_model(
+            engine_model(server.url("m.gguf"), sha256=GGUF_SHA, weights_mib=10),
+            "llamacpp",
+            paths,
+            Settings(model_cache_limit_gib=2 / 1024),
+            lambda _: None,
+            http=client,
+            options=OPTIONS,
+        )
+
+    assert failure.value.problem.action == "settings"
+    assert server.requests == []
+
+
+async def test_hugging_face_repo_announced_over_the_cap_is_refused_before_downloading(
+    server: HttpsServer, paths: Paths
+) -> None:
+    serve_repo(server, "org/big", {"model.safetensors": os.urandom(3 * MIB)}, commit=COMMIT)
+
+    with hub_trusting(server):
+        failure = await failure_of(engine_model("org/big"), "vllm", paths, hf_endpoint=server.base_url)
+
+    assert "nothing was downloaded" in failure.problem.message
+    assert not server.requests_for(f"org/big/resolve/{COMMIT}/model.safetensors", "GET")
+
+
+async def test_hugging_face_file_sending_more_than_announced_is_stopped_and_deleted(
+    server: HttpsServer, paths: Paths
+) -> None:
+    serve_repo(server, "org/liar", {"config.json": b"{}", "model.safetensors": b"x" * 1000}, commit=COMMIT)
+    headers = {"X-Repo-Commit": COMMIT, "ETag": '"' + "e" * 64 + '"'}
+    for ref in (COMMIT, "main"):
+        server.add(
+            f"org/liar/resolve/{ref}/model.safetensors",
+            os.urandom(32 * MIB),
+            headers=headers,
+            claimed_size=1000,
+        )
+
+    with hub_trusting(server):
+        failure = await failure_of(engine_model("org/liar"), "vllm", paths, hf_endpoint=server.base_url)
+
+    assert failure.problem.title == "Download larger than expected"
+    assert not list((paths.models_dir / "hf").glob("models--org--liar"))

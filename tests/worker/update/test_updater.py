@@ -111,7 +111,9 @@ class Rig:
         *,
         key: Ed25519PrivateKey = RELEASE_KEY,
         sha256: str | None = None,
+        size_delta: int | None = None,
     ) -> protocol.Update:
+        """Serves a build and offers it; with `size_delta` the offer names its size plus that."""
         archive = builds.tarball(version, behaviour)
         name = f"gpu-provider-{version}-linux-x86_64.tar.gz"
         self.server.add(name, archive)
@@ -124,6 +126,7 @@ class Rig:
             url=self.server.url(name),
             sha256=digest,
             signature=signature,
+            size=None if size_delta is None else len(archive) + size_delta,
         )
 
     def downloads(self) -> int:
@@ -194,6 +197,24 @@ async def test_a_wrong_hash_is_downloaded_then_discarded(
     assert "is not the signed" in caplog.text and rig.node.calls == []
 
 
+async def test_an_archive_larger_than_offered_is_refused_and_deleted(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    update = rig.publish("0.2.0", size_delta=-1)
+    with caplog.at_level(logging.WARNING):
+        assert not await rig.updater().offer(update)
+    assert rig.statuses[-1].phase == "refused"
+    assert "update 0.2.0 was larger than offered" in (rig.statuses[-1].message or "")
+    assert rig.downloads() == 1  # refused outright, not retried
+    assert list(rig.install.staging_dir.iterdir()) == []
+    assert rig.install.installed() == [] and rig.node.calls == []
+
+
+async def test_an_archive_of_exactly_the_offered_size_is_applied(rig: Rig) -> None:
+    assert await rig.updater().offer(rig.publish("0.2.0", size_delta=0))
+    assert rig.install.current() == "0.2.0"
+
+
 @pytest.mark.parametrize("version", ["0.0.9", "0.1.0"])
 async def test_a_downgrade_or_the_same_version_is_refused(
     rig: Rig, version: str, caplog: pytest.LogCaptureFixture
@@ -247,9 +268,38 @@ async def test_a_new_version_that_never_reaches_hello_is_stopped_and_rolled_back
     assert rig.install.current() is None
     assert rig.node.calls == ["stop_serving", "resume_serving"]
     assert updater.status().message == "version 0.2.0 did not reach hello within 3 s"
+    assert rig.install.rejected() == {"0.2.0"}  # it hung before its core started: never again
     hung = int((rig.paths.data_dir.parent / "hang.pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(hung, 0)
+
+
+OFFLINE = (
+    "from worker.config import Paths\n"
+    "from worker.update import mark_started\n"
+    "mark_started(Paths.under(data_dir), VERSION)\n"
+    "time.sleep(60)"
+)
+
+
+async def test_a_new_version_that_started_but_could_not_connect_is_rolled_back_not_rejected(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The contract: a version that cannot reach hello because the network is down is rolled back
+    but not blacklisted; the same offer is installed again later."""
+    monkeypatch.setitem(builds.BEHAVIOURS, "offline", OFFLINE)
+    updater = rig.updater(hello_timeout_s=2.0)
+    assert await updater.offer(rig.publish("0.2.0", "offline"))
+    assert rig.install.current() is None and rig.install.rejected() == frozenset()
+    assert rig.node.calls == ["stop_serving", "resume_serving"]
+    assert updater.status() == UpdateStatus(
+        "rolled_back",
+        "0.2.0",
+        "version 0.2.0 started but could not reach the coordinator within 2 s "
+        "(is the network down?); it will be tried again",
+    )
+    assert await rig.updater().offer(rig.publish("0.2.0"))
+    assert rig.install.current() == "0.2.0"
 
 
 async def test_an_engine_that_will_not_stop_leaves_the_install_untouched(

@@ -1,0 +1,326 @@
+"""Closed-world engine arguments: each engine's tuning flags with typed values; nothing else passes.
+
+Pure. An assignment's `base_args` and `tiers` reach the engine's own parser, and that parser reads
+files, opens listeners and imports code for flags the app never wants a coordinator to set. So the
+node accepts only the flags on its list, spelled exactly as listed, each with a value of its type
+(a number in range, one of some words, a JSON object with listed keys). There is deliberately no
+free-text type: a path, URL, host, module or template can never be a valid value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, Union
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_DIGITS = re.compile(r"[0-9]{1,12}")
+_DECIMAL = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,12})?|\.[0-9]{1,12}")
+# vLLM's human-readable integers (`vllm/utils/argparse_utils.py`, `human_readable_int`), up to M.
+_HUMAN_DECIMAL = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)([km])")
+_HUMAN_BINARY = re.compile(r"([0-9]{1,9})([KM])")
+_DECIMAL_FACTOR = {"k": 10**3, "m": 10**6}
+_BINARY_FACTOR = {"K": 2**10, "M": 2**20}
+SHOWN_LIMIT = 80  # characters of a refused value quoted back in a reason
+
+
+def shown(text: str) -> str:
+    """`text` quoted safely for a reason: escapes made visible, long values cut."""
+    quoted = repr(text)
+    return quoted if len(quoted) <= SHOWN_LIMIT else quoted[: SHOWN_LIMIT - 4] + "…" + quoted[-1]
+
+
+@dataclass(frozen=True)
+class IntValue:
+    """A whole number in [low, high]; `words` are also taken as they are (`auto`, `all`, `-1`);
+    `suffixes` takes vLLM's `32k` (×1000), `1.5k` and `32K` (×1024) forms."""
+
+    low: int
+    high: int
+    words: tuple[str, ...] = ()
+    suffixes: bool = False
+
+    def problem(self, text: str) -> str | None:
+        if text in self.words:
+            return None
+        number = self._number(text)
+        if number is None:
+            return f"{shown(text)} is not {self.describe()}"
+        if not self.low <= number <= self.high:
+            return f"{shown(text)} is out of range ({self.describe()})"
+        return None
+
+    def json_problem(self, value: object) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{json.dumps(value)} is not a whole number"
+        if not self.low <= value <= self.high:
+            return f"{value} is out of range ({self.low} to {self.high})"
+        return None
+
+    def _number(self, text: str) -> int | None:
+        if _DIGITS.fullmatch(text):
+            return int(text)
+        if not self.suffixes:
+            return None
+        if match := _HUMAN_DECIMAL.fullmatch(text):
+            return int(float(match.group(1)) * _DECIMAL_FACTOR[match.group(2)])
+        if match := _HUMAN_BINARY.fullmatch(text):
+            return int(match.group(1)) * _BINARY_FACTOR[match.group(2)]
+        return None
+
+    def describe(self) -> str:
+        text = f"a whole number from {self.low} to {self.high}"
+        if self.suffixes:
+            text += " (k and m suffixes count ×1000, K and M ×1024: 32k, 1.5k, 32K)"
+        return text + "".join(f" or {word}" for word in self.words)
+
+
+@dataclass(frozen=True)
+class FloatValue:
+    """A plain decimal number (no exponent, no sign, no `nan`) in its range."""
+
+    low: float
+    high: float
+    low_inclusive: bool = True
+
+    def problem(self, text: str) -> str | None:
+        if not _DECIMAL.fullmatch(text):
+            return f"{shown(text)} is not {self.describe()}"
+        return None if self._in_range(float(text)) else f"{shown(text)} is out of range ({self.describe()})"
+
+    def json_problem(self, value: object) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{json.dumps(value)} is not a number"
+        return None if self._in_range(float(value)) else f"{value} is out of range ({self.describe()})"
+
+    def _in_range(self, number: float) -> bool:
+        above_low = number >= self.low if self.low_inclusive else number > self.low
+        return above_low and number <= self.high
+
+    def describe(self) -> str:
+        low = "from" if self.low_inclusive else "above"
+        return f"a decimal number {low} {self.low:g} up to {self.high:g}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of `values` (or, with `many`, a comma-separated list of them, as llama.cpp's `--spec-type`)."""
+
+    values: tuple[str | int, ...]
+    many: bool = False
+
+    def problem(self, text: str) -> str | None:
+        words = text.split(",") if self.many else [text]
+        allowed = {str(v) for v in self.values}
+        if all(word in allowed for word in words):
+            return None
+        return f"{shown(text)} is not {self.describe()}"
+
+    def json_problem(self, value: object) -> str | None:
+        if isinstance(value, bool) or not any(type(value) is type(v) and value == v for v in self.values):
+            return f"{json.dumps(value)} is not {self.describe()}"
+        return None
+
+    def describe(self) -> str:
+        quoted = any(isinstance(v, int) for v in self.values)  # mixed words and numbers: JSON-quote the words
+        listed = ", ".join(json.dumps(v) if quoted and isinstance(v, str) else str(v) for v in self.values)
+        return ("a comma-separated list of " if self.many else "one of ") + listed
+
+
+JsonValue = Union[IntValue, FloatValue, Choice]
+
+
+@dataclass(frozen=True)
+class JsonObject:
+    """A JSON object whose keys are all listed, each value of its key's type; nothing nested."""
+
+    keys: Mapping[str, JsonValue]
+
+    def problem(self, text: str) -> str | None:
+        try:
+            data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        except ValueError as exc:
+            return f"{shown(text)} is not a JSON object ({exc})"
+        if not isinstance(data, dict):
+            return f"{shown(text)} is not a JSON object"
+        for key, value in data.items():
+            kind = self.keys.get(key)
+            if kind is None:
+                return f"JSON key {shown(key)} is not allowed (allowed keys: {', '.join(self.keys)})"
+            if problem := kind.json_problem(value):
+                return f"JSON key {shown(key)}: {problem}"
+        return None
+
+    def describe(self) -> str:
+        return "JSON object: " + "; ".join(f"`{key}` {kind.describe()}" for key, kind in self.keys.items())
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A flag that takes no value."""
+
+    def describe(self) -> str:
+        return "no value"
+
+
+ValueType = Union[IntValue, FloatValue, Choice, JsonObject, Switch]
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [key for key, _ in pairs]
+    duplicates = sorted({key for key in keys if keys.count(key) > 1})
+    if duplicates:
+        raise ValueError(f"key {duplicates[0]!r} appears twice")
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number")
+
+
+@dataclass(frozen=True)
+class AllowedFlag:
+    """One tuning flag: every spelling its engine's parser takes for it, and its value's type.
+
+    `negations` (switches only) are the spellings that turn it off; `equals` says the parser also
+    reads `--flag=value` for the long spellings; `remote_code` flags (not their negations) pass only
+    where the person allowed remote code; a `memory_cap` flag is the assignment's memory cap.
+    """
+
+    spellings: tuple[str, ...]
+    value: ValueType
+    purpose: str
+    negations: tuple[str, ...] = ()
+    equals: bool = False
+    remote_code: bool = False
+    memory_cap: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spellings[0]
+
+    @property
+    def takes_value(self) -> bool:
+        return not isinstance(self.value, Switch)
+
+    def all_spellings(self) -> tuple[str, ...]:
+        return self.spellings + self.negations
+
+
+@dataclass(frozen=True)
+class Allowlist:
+    """One engine's allowed flags; `check` walks an argument list and names the first problem."""
+
+    engine: str
+    flags: tuple[AllowedFlag, ...]
+    _index: dict[str, AllowedFlag] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index: dict[str, AllowedFlag] = {}
+        for flag in self.flags:
+            if flag.negations and flag.takes_value:
+                raise ValueError(f"{flag.name}: only a switch has negated spellings")
+            for spelling in flag.all_spellings():
+                if spelling in index:
+                    raise ValueError(f"{spelling} is listed twice")
+                index[spelling] = flag
+        object.__setattr__(self, "_index", index)
+
+    def check(self, args: Sequence[str], *, allow_remote_code: bool = False, where: str | None = None) -> str | None:
+        """None when every token is an allowed spelling or that flag's valid value; else the first
+        problem: `argument not allowed: FLAG (in WHERE): why` or `value not allowed for FLAG …: why`."""
+        found = self._problem(args, allow_remote_code)
+        if found is None:
+            return None
+        head, why = found
+        return f"{head} (in {where}): {why}" if where else f"{head}: {why}"
+
+    def _problem(self, args: Sequence[str], allow_remote_code: bool) -> tuple[str, str] | None:
+        i = 0
+        while i < len(args):
+            token = args[i]
+            spelling, equals, inline = token.partition("=") if token.startswith("--") else (token, "", "")
+            flag = self._index.get(spelling)
+            if flag is None or _CONTROL.search(spelling):
+                return self._unknown(token, spelling)
+            refused = f"argument not allowed: {spelling}"
+            if flag.remote_code and spelling in flag.spellings and not allow_remote_code:
+                return refused, "it runs code from the model's repository; allow remote code in settings to accept it"
+            kind = flag.value
+            if isinstance(kind, Switch):
+                if equals:
+                    return refused, f"it is a switch and takes no value; write {spelling} alone"
+                i += 1
+                continue
+            if equals and not flag.equals:
+                return refused, f"{self.engine} does not read {spelling}=VALUE; give the value as the next argument"
+            if not equals and i + 1 >= len(args):
+                return f"value not allowed for {spelling}", "none is given (it is the last argument)"
+            value = inline if equals else args[i + 1]
+            i += 1 if equals else 2
+            if _CONTROL.search(value):
+                return f"value not allowed for {spelling}", f"{shown(value)} contains a newline or control character"
+            if problem := kind.problem(value):
+                return f"value not allowed for {spelling}", problem
+        return None
+
+    def _unknown(self, token: str, spelling: str) -> tuple[str, str]:
+        if _CONTROL.search(token):
+            return f"argument not allowed: {shown(token)}", "it contains a newline or control character"
+        if not token.startswith("-"):
+            return f"argument not allowed: {shown(token)}", "a value with no flag before it"
+        return f"argument not allowed: {spelling}", self._why_unknown(spelling)
+
+    def _why_unknown(self, spelling: str) -> str:
+        dashed = spelling[:2] + spelling[2:].replace("_", "-")
+        if "_" in spelling and dashed in self._index:
+            return f"spell it {dashed}, with '-' for '_'"
+        if "." in spelling.lstrip("-"):
+            return "dotted JSON keys are not accepted; pass the whole JSON object to the flag"
+        if spelling.startswith("--") and len(spelling) > 2 and any(known.startswith(spelling) for known in self._index):
+            return "abbreviations are not accepted; spell the flag out"
+        return f"it is not on this node's list of {self.engine} tuning arguments (see docs/engine-args.md)"
+
+    def split_memory_cap(self, args: Sequence[str]) -> tuple[tuple[str, ...], float | None]:
+        """`args` without the memory-cap flag and its value, and the cap (the last one wins).
+
+        Only for arguments that passed `check`."""
+        kept: list[str] = []
+        cap: float | None = None
+        i = 0
+        while i < len(args):
+            spelling, equals, inline = args[i].partition("=") if args[i].startswith("--") else (args[i], "", "")
+            flag = self._index[spelling]
+            width = 1 if equals or not flag.takes_value else 2
+            if flag.memory_cap:
+                cap = float(inline if equals else args[i + 1])
+            else:
+                kept.extend(args[i : i + width])
+            i += width
+        return tuple(kept), cap
+
+    def published(self, *, allow_remote_code: bool = False) -> list[str]:
+        """Every spelling this node accepts, for `hello.engine_args`."""
+        return [
+            spelling
+            for flag in self.flags
+            for spelling in flag.all_spellings()
+            if allow_remote_code or not (flag.remote_code and spelling in flag.spellings)
+        ]
+
+    def markdown(self) -> str:
+        """A table of the flags: name, every spelling, and the value's type and range."""
+        rows = [
+            "| flag | spellings | value | what it tunes |",
+            "| --- | --- | --- | --- |",
+        ]
+        for flag in self.flags:
+            spellings = ", ".join(f"`{s}`" for s in flag.all_spellings())
+            if flag.equals:
+                spellings += f" (also `{flag.name}=VALUE`)"
+            value = flag.value.describe().replace("|", "\\|")
+            notes = flag.purpose + (" Only where remote code is allowed in settings." if flag.remote_code else "")
+            rows.append(f"| `{flag.name}` | {spellings} | {value} | {notes} |")
+        return "\n".join(rows) + "\n"
