@@ -138,7 +138,7 @@ async def _one(kind: str, window_s: float) -> Reading:
                 argv = [sys.executable, "-m", "worker", "run", "--headless", *common]
                 extra: dict[str, str] = {}
             else:
-                argv = [sys.executable, "-m", "worker", *common] + (["--minimized"] if kind == "gui-hidden" else [])
+                argv = [sys.executable, "-m", "app", *common] + (["--minimized"] if kind == "gui-hidden" else [])
                 extra = {"QT_QPA_PLATFORM": "offscreen"}
             return await _read_node(argv, _environment(extra), coordinator, window_s)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from app.launch import main
 from worker import __version__
-from worker.cli import main
 from worker.config import Paths
 from worker.update import run_installed_if_newer
 

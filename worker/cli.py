@@ -1,4 +1,8 @@
-"""`gpu-provider`: the desktop app by default, and `detect` / `plan` for people and fleet tools.
+"""`gpu-provider`'s core commands: `detect`, `plan`, `run --headless` and `status`.
+
+Without a command (or `run` without --headless) `gpu-provider` opens the desktop app. The core
+never imports the GUI, so that choice is the launcher's (`app/launch.py`): it asks
+`desktop_arguments` whether a command line means the app, and hands every other one to `main`.
 
 Every subcommand accepts `--data-dir DIR` before or after its name. Output meant for programs is
 one JSON object on stdout; a refusal or bad input is `{"error": "…"}` with exit status 2.
@@ -110,40 +114,49 @@ def node_options() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if "--headless" in arguments and not parser.command_names & set(arguments):
-        arguments.insert(0, "run")
-    if _opens_the_app(parser, arguments):
-        return open_app(arguments)
+    arguments = _with_command(parser, list(sys.argv[1:] if argv is None else argv))
+    if _names_no_command(parser, arguments):
+        return _no_desktop_app()
     args = parser.parse_args(arguments)
     handler: Handler = args.handler
     settings = load_settings(Paths.resolve(getattr(args, "data_dir", None)))
     return handler(args, settings)
 
 
-def _opens_the_app(parser: CommandLine, arguments: list[str]) -> bool:
-    """No command named (and no --help/--version): the app parses its own options (--coordinator, …)."""
+def desktop_arguments(argv: Sequence[str]) -> list[str] | None:
+    """The desktop app's arguments when this command line asks for the app (no command, or `run`
+    without --headless); None when it names a command of the core, which `main` runs."""
+    parser = build_parser()
+    arguments = _with_command(parser, list(argv))
+    if _names_no_command(parser, arguments):
+        return arguments  # the app parses its own options (--coordinator, --minimized, …)
+    if "run" not in arguments or "--headless" in arguments:
+        return None
+    args = parser.parse_args(arguments)
+    return _app_arguments(args) if args.command == "run" else None
+
+
+def _with_command(parser: CommandLine, arguments: list[str]) -> list[str]:
+    """`gpu-provider --headless …` is `gpu-provider run --headless …`."""
+    if "--headless" in arguments and not parser.command_names & set(arguments):
+        return ["run", *arguments]
+    return arguments
+
+
+def _names_no_command(parser: CommandLine, arguments: list[str]) -> bool:
+    """No command named (and no --help/--version): the command line is the desktop app's."""
     asks_the_cli = {"-h", "--help", "--version"} & set(arguments)
     return not asks_the_cli and not parser.command_names & set(arguments)
 
 
-def open_app(arguments: list[str]) -> int:
-    """The desktop app, imported only now so the command line never needs Qt."""
-    try:
-        app_main = _import_app_main()
-    except ImportError as exc:
-        if "PySide6" not in str(exc):
-            raise
-        print("The desktop app needs PySide6: pip install 'gpu-provider[gui]'", file=sys.stderr)
-        return 1
-    return int(app_main(arguments) or 0)
-
-
-def _import_app_main() -> Callable[[Sequence[str]], int]:
-    from app.main import main as app_main
-
-    return app_main
+def _no_desktop_app() -> int:
+    """The desktop app was asked for where it cannot open: no PySide6, no display, or `python -m worker`."""
+    print("gpu-provider: the desktop app (no command, or `run` without --headless) cannot open here: it needs "
+          "PySide6 (pip install 'gpu-provider[gui]') and a display, and opens from the `gpu-provider` command "
+          "or `python -m app`, not `python -m worker`. To run the node without a window: "
+          "gpu-provider run --headless", file=sys.stderr)
+    return 1
 
 
 def run_detect(args: argparse.Namespace, settings: Settings) -> int:
@@ -195,7 +208,7 @@ def run_plan(args: argparse.Namespace, settings: Settings) -> int:
 
 def run_node(args: argparse.Namespace, settings: Settings) -> int:
     if not args.headless:
-        return open_app(_app_arguments(args))
+        return _no_desktop_app()
     from worker.datalock import DataFolderInUse
     from worker.node import run_headless
 

@@ -50,14 +50,15 @@ from worker.hardware import (
     PynvmlSource,
     gpu_processes,
     sample_gpus,
+    usable_mib,
 )
-from worker.hardware.nvml import find_wsl_nvml_library
+from worker.hardware.nvml import find_wsl_nvml_library, read_nvidia
 from worker.ledger import EnergyIntegrator, Ledger
 from worker.link import Backoff, Link
 from worker.loopback_http import LoopbackClient
 from worker.measure import RunMeter, aggregate, cross_check, roofline
 from worker.metrics import EngineMetrics, MetricsUnavailable, scrape
-from worker.plan import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
+from worker.plan import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, memory_utilization, plan
 from worker.procs import reap_leftovers
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError
@@ -552,10 +553,30 @@ class Node(RelayHooks):
                 on_event=self._on_engine_change,
                 http=self._http,
                 gpu_released=self._gpu_released if self._nvml is not None else None,
+                remeasure=self._remeasure_memory,
             )
             self._supervisors[engine_plan.engine_id] = sup
             await sup.start()
         self._publish()
+
+    async def _remeasure_memory(self, engine_plan: EnginePlan) -> float | None:
+        """vLLM's memory share for the plan's cards from a fresh NVML reading, by the rules of
+        detection (`usable_mib`) and planning (`memory_utilization`, with the assignment's cap);
+        None where the cards cannot be read. Asked after vLLM found a card's memory held."""
+        if self._nvml is None or self.machine is None:
+            return None
+        reading = await asyncio.to_thread(read_nvidia, self._nvml)
+        memory = {gpu.index: gpu.values["memory"] for gpu in reading.gpus if gpu.values.get("memory")}
+        cards = [gpu for gpu in self.machine.gpus if gpu.index in engine_plan.gpu_indices and gpu.index in memory]
+        if len(cards) != len(engine_plan.gpu_indices):
+            return None
+        fresh = tuple(
+            replace(gpu, memory_total_mib=int(memory[gpu.index]["total_mib"]),
+                    memory_free_mib=int(memory[gpu.index]["free_mib"]),
+                    usable_mib=usable_mib(int(memory[gpu.index]["free_mib"]), self.settings))
+            for gpu in cards
+        )
+        return memory_utilization(replace(self.machine, gpus=fresh), engine_plan.gpu_indices, engine_plan.memory_cap)
 
     async def _provision(self, current: Plan) -> list[EnginePlan]:
         """Model files (and, where missing, the engine) in place; the plans rewritten to use them."""
@@ -717,11 +738,6 @@ class Node(RelayHooks):
         meter = self._meters.get(self._request_engine.get(request_id, ""))
         if meter:
             meter.first_token(request_id, t)
-
-    def on_chunk(self, engine_id: str) -> None:
-        sup = self._supervisors.get(engine_id)
-        if sup:
-            sup.note_progress()
 
     def on_end(self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool) -> None:
         if request_id not in self._generations:

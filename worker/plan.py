@@ -21,10 +21,18 @@ Pure: the rules of the protocol's Assignment section, applied to a `Machine`.
   multi-GPU engine); the highest cleared threshold's args follow `base_args`. The next lower tier,
   then `base_args` alone, are kept as fallbacks for an out-of-memory start; they run under the
   chosen tier's memory cap.
+- Memory share (contract, Assignment rule 3): vLLM is told `--gpu-memory-utilization` = the
+  smallest usable ÷ total over the process's cards, rounded down to 3 decimals and held to the
+  cap, so its start-up check passes on a card whose desktop holds memory; fallbacks use the same.
+  llama.cpp runs with `--fit off` (its adapter), so a context that does not fit fails instead.
+- Runtime: vLLM under WSL2 gets the environment that keeps it starting there (engines.md A8).
+- Warnings (`Plan.warnings`, for the log): a speculative-decoding tier that raises vLLM's
+  `--max-num-batched-tokens` above base, which a field report saw cut decode from 109 to 19 tok/s.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -38,6 +46,7 @@ from worker.provision.releases import version_problem
 from worker.provision.sources import BadSource, check_source
 
 FIT_SHARE = 0.9  # weights may take at most 90 % of the usable memory
+SHARE_STEPS = 1000  # vLLM's memory share is rounded down to 3 decimals
 TENSOR_GROUP_SIZES = (2, 4)  # a model that fits one card goes tensor-parallel only here; 8+ stay replicas
 DEFAULT_FIRST_PORT = 18100
 API_KEY_SHOWN = "***"
@@ -71,6 +80,7 @@ class EnginePlan:
     model: str
     served_name: str
     memory_cap: float | None = None  # the assignment's memory-utilization cap, taken out of `args`
+    memory_utilization: float | None = None  # vLLM's `--gpu-memory-utilization` (all retries); None: llama.cpp
 
     @property
     def tensor_parallel(self) -> int:
@@ -92,6 +102,7 @@ class EnginePlan:
             served_name=self.served_name,
             tensor_parallel=self.tensor_parallel,
             socket_path=socket_path,
+            memory_utilization=self.memory_utilization,
         )
 
     def environment(
@@ -116,9 +127,10 @@ class Plan:
     engine_model: protocol.EngineModel
     engines: tuple[EnginePlan, ...]
     assignment_id: str = ""
+    warnings: tuple[str, ...] = ()  # the plan starts, but a person should read these (the node logs them)
 
     def to_json(self) -> dict[str, Any]:
-        return {"engine": self.engine, "engines": [e.to_json() for e in self.engines]}
+        return {"engine": self.engine, "engines": [e.to_json() for e in self.engines], "warnings": list(self.warnings)}
 
 
 @dataclass(frozen=True)
@@ -194,13 +206,18 @@ def plan(
         return units
     if not units:
         return Refusal(_fits_nowhere(machine, assign.model.name, weights, engine, base_cap))
-    model = model_path or (source.file_name if source.kind == "https" else source.value)
-    exe = tuple(executable) if executable else _installed_executable(machine, engine, adapter)
-    engines = tuple(
-        _engine_plan(i, unit, engine, options, weights, first_port + i, exe, model, assign.model.name)
-        for i, unit in enumerate(units)
+    common = _Common(
+        engine=engine,
+        options=tuple(options),
+        weights_mib=weights,
+        executable=tuple(executable) if executable else _installed_executable(machine, engine, adapter),
+        model=model_path or (source.file_name if source.kind == "https" else source.value),
+        served_name=assign.model.name,
+        env=runtime_environment(machine, engine, engine_model.engine_version),
     )
-    return Plan(engine, assign.model.name, engine_model, engines, assign.assignment_id)
+    engines = tuple(_engine_plan(i, unit, machine, common, first_port + i) for i, unit in enumerate(units))
+    warnings = tuple(dict.fromkeys(w for e in engines if (w := speculative_batch_warning(e, options[0], machine))))
+    return Plan(engine, assign.model.name, engine_model, engines, assign.assignment_id, warnings)
 
 
 def check_args(engine_model: protocol.EngineModel, allowlist: Allowlist, *, allow_remote_code: bool) -> str | None:
@@ -234,21 +251,24 @@ def _installed_executable(machine: Machine, engine: str, adapter: EngineAdapter)
     return adapter.DEFAULT_EXECUTABLE
 
 
-def _engine_plan(
-    number: int,
-    unit: _Unit,
-    engine: protocol.EngineName,
-    options: list[_Option],
-    weights_mib: int,
-    port: int,
-    executable: tuple[str, ...],
-    model: str,
-    served_name: str,
-) -> EnginePlan:
-    chosen, fallbacks = choose_tier(options, unit, weights_mib)
+@dataclass(frozen=True)
+class _Common:
+    """What every engine process of one plan shares."""
+
+    engine: protocol.EngineName
+    options: tuple[_Option, ...]
+    weights_mib: int
+    executable: tuple[str, ...]
+    model: str
+    served_name: str
+    env: Mapping[str, str]  # set for the runtime, on top of the GPUs each process sees
+
+
+def _engine_plan(number: int, unit: _Unit, machine: Machine, common: _Common, port: int) -> EnginePlan:
+    chosen, fallbacks = choose_tier(list(common.options), unit, common.weights_mib)
     return EnginePlan(
         engine_id=f"e{number}",
-        engine=engine,
+        engine=common.engine,
         gpu_indices=unit.gpu_indices,
         layout=unit.layout,
         memory_mib=unit.judged_mib(chosen.cap),
@@ -256,12 +276,105 @@ def _engine_plan(
         args=chosen.args,
         fallbacks=fallbacks,
         port=port,
-        env={"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in unit.gpu_indices)},
-        executable=executable,
-        model=model,
-        served_name=served_name,
+        env={"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in unit.gpu_indices), **common.env},
+        executable=common.executable,
+        model=common.model,
+        served_name=common.served_name,
         memory_cap=chosen.cap,
+        memory_utilization=memory_utilization(machine, unit.gpu_indices, chosen.cap)
+        if common.engine == "vllm" else None,
     )
+
+
+def memory_utilization(machine: Machine, gpu_indices: Sequence[int], cap: float | None) -> float | None:
+    """vLLM's `--gpu-memory-utilization` for a process on these cards: the smallest usable ÷ total
+    among them, rounded down to 3 decimals (vLLM checks share × total ≤ free on every card, so
+    rounding up could fail it), then held to the assignment's cap. The cap alone where a card's
+    total is unknown, None where neither is."""
+    cards = [gpu for gpu in machine.gpus if gpu.index in gpu_indices]
+    shares = [gpu.usable_mib * SHARE_STEPS // gpu.memory_total_mib / SHARE_STEPS for gpu in cards
+              if gpu.memory_total_mib > 0]
+    measured = min(shares) if shares and len(shares) == len(gpu_indices) else None
+    known = [share for share in (measured, cap) if share is not None]
+    return min(known) if known else None
+
+
+_VERSION_PREFIX = re.compile(r"v?(\d+)\.(\d+)")
+VLLM_FIXED_PINNED_MEMORY = (0, 30)  # the V2 model runner tolerates WSL2's lack of pinned memory from here
+
+
+def runtime_environment(machine: Machine, engine: protocol.EngineName, version: str | None) -> dict[str, str]:
+    """What vLLM needs under WSL2 (engines.md A8, Part C 7): pinned memory is off there unless
+    `VLLM_WSL2_ENABLE_PIN_MEMORY=1`, and before 0.30 the default V2 model runner crashed without it
+    ("UVA is not available"), so such versions also get the V1 runner. The version is the
+    assignment's, else the installed one's; an unknown version gets pinned memory only."""
+    if engine != "vllm" or machine.runtime != "wsl2":
+        return {}
+    env = {"VLLM_WSL2_ENABLE_PIN_MEMORY": "1"}
+    installed = machine.engines.get("vllm")
+    match = _VERSION_PREFIX.match(version or (installed.version if installed else None) or "")
+    if match and (int(match.group(1)), int(match.group(2))) < VLLM_FIXED_PINNED_MEMORY:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return env
+
+
+BATCHED_TOKENS = ("--max-num-batched-tokens",)
+SPECULATIVE = ("--speculative-config", "-sc", "--spec-method", "--spec-tokens")
+_HUMAN_FACTORS = {"k": 1000, "m": 1000**2, "K": 1024, "M": 1024**2}  # vLLM's `32k` / `32K` integers
+
+
+def speculative_batch_warning(engine: EnginePlan, base: _Option, machine: Machine) -> str | None:
+    """A warning when the tier this engine runs raises vLLM's `--max-num-batched-tokens` above
+    base_args' value (or vLLM's default for its card) while speculative decoding is on: a larger
+    prefill chunk can silently disable the drafter's CUDA graph (field note 004: 109 → 19 tok/s
+    decode, with acceptance still looking healthy)."""
+    if engine.engine != "vllm" or engine.tier is None or not _has_flag(engine.args, SPECULATIVE):
+        return None
+    raised = _last_value(engine.args, BATCHED_TOKENS)
+    if raised is None:
+        return None
+    given = _last_value(base.args, BATCHED_TOKENS)
+    base_tokens = _human_int(given) if given is not None else _default_batched_tokens(machine, engine.gpu_indices)
+    if _human_int(raised) <= base_tokens:
+        return None
+    return (
+        f"tier {engine.tier} raises --max-num-batched-tokens to {raised} (base: {base_tokens}) with speculative "
+        "decoding on; a larger prefill chunk can disable the drafter's CUDA graph and cut decode speed several "
+        "times over (one report: 109 to 19 tokens/s). Keep the base value in speculative tiers."
+    )
+
+
+def _default_batched_tokens(machine: Machine, gpu_indices: Sequence[int]) -> int:
+    """vLLM's own default for an API server (`EngineArgs.get_batch_defaults`): 8192 on cards of 70 GiB
+    or more other than the A100, else 2048."""
+    cards = [gpu for gpu in machine.gpus if gpu.index in gpu_indices]
+    big = bool(cards) and all(g.memory_total_mib >= 70 * 1024 and "a100" not in g.name.lower() for g in cards)
+    return 8192 if big else 2048
+
+
+def _flag_values(args: Sequence[str], spellings: Sequence[str]) -> list[str | None]:
+    """The value after each occurrence of the flag (`--f V` or `--f=V`; None for a bare switch)."""
+    found: list[str | None] = []
+    for i, token in enumerate(args):
+        name, equals, inline = token.partition("=") if token.startswith("--") else (token, "", "")
+        if name in spellings:
+            found.append(inline if equals else (args[i + 1] if i + 1 < len(args) else None))
+    return found
+
+
+def _has_flag(args: Sequence[str], spellings: Sequence[str]) -> bool:
+    return bool(_flag_values(args, spellings))
+
+
+def _last_value(args: Sequence[str], spellings: Sequence[str]) -> str | None:
+    values = _flag_values(args, spellings)
+    return values[-1] if values else None
+
+
+def _human_int(text: str) -> int:
+    """`8192`, `8k` (× 1000), `1.5k`, `8K` (× 1024): forms the allowlist already accepted."""
+    factor = _HUMAN_FACTORS.get(text[-1:])
+    return int(float(text[:-1]) * factor) if factor else int(text)
 
 
 def choose_tier(options: list[_Option], unit: _Unit, weights_mib: int) -> tuple[_Option, tuple[Fallback, ...]]:

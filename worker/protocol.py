@@ -1,6 +1,6 @@
 """Every message of coordinator protocol version 1 as a typed model: parse, validate, serialise.
 
-Pure: no I/O. The connection (`link.py`) and the reference coordinator (`localnet.py`) both build
+Pure: no I/O. The connection (`link.py`) and the reference coordinator (`localnet/`) both build
 on this module, so the app and its test peer can never disagree about a shape. The contract is
 `shared/coordinator-protocol.md`.
 """

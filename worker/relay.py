@@ -73,7 +73,7 @@ class EngineTarget:
 class RelayHooks:
     """Measurement and ledger callbacks. The defaults do nothing; subclass what you need.
 
-    They run on the event loop once per request (per network chunk for `on_chunk`): keep them quick.
+    They run on the event loop once per request: keep them quick.
     """
 
     def on_start(self, request_id: str, engine_id: str, t: float) -> None:
@@ -81,9 +81,6 @@ class RelayHooks:
 
     def on_first_token(self, request_id: str, t: float) -> None:
         """The first bytes of the answer reached the relay."""
-
-    def on_chunk(self, engine_id: str) -> None:
-        """The engine made progress (for the supervisor's stall watchdog)."""
 
     def on_end(
         self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool
@@ -470,14 +467,12 @@ class Relay:
                 await response.aclose()
 
     async def _pump(self, job: _Job, response: Response, filter_: StreamFilter) -> None:
-        request_id, engine_id = job.request.id, job.target.engine_id
-        on_chunk = self._hooks.on_chunk
+        request_id = job.request.id
         outbox = _Outbox(request_id, job.send, filter_)
         put = outbox.put
         first = True
         try:
             async for raw in response.aiter_raw():
-                on_chunk(engine_id)
                 if first:
                     self._hooks.on_first_token(request_id, self._clock())
                     first = False
@@ -494,7 +489,6 @@ class Relay:
             raise _CoordinatorGone
 
     async def _send_whole(self, job: _Job, body: bytes, filter_: StreamFilter) -> None:
-        self._hooks.on_chunk(job.target.engine_id)
         if body:
             self._hooks.on_first_token(job.request.id, self._clock())
         text = filter_.feed(body) + filter_.finish()

@@ -13,9 +13,16 @@ local user can read a command line), and with the engine's user config looked up
 app owns.
 
 Ready means `/v1/models` names the served model *and* a few tokens of a real completion came
-back in time: a listening port is never enough. While serving, an engine that stops answering
-`/health`, or makes no token progress while requests are in flight, is restarted: progress is
-judged, not duration, so a long generation is not a dead engine.
+back in time: a listening port is never enough. While serving, an engine is restarted only when
+it stops answering: its process exits, or `/health` fails or takes over `health_timeout_s` (10 s)
+`health_failures` (3) times in a row. A quiet request (a long prefill, an answer that arrives
+whole) says nothing about the engine, so it is never a reason (contract, Relay); the relay's
+deadlines bound requests.
+
+A start that runs out of memory, or whose context does not fit the KV cache, retries a tier
+lower. vLLM's "Free memory on device" refusal is no tier problem but another program holding the
+card (contract, Assignment rule 3): the supervisor waits, measures again (`remeasure`) and starts
+with the share that is free now.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -42,7 +49,9 @@ from worker.config import Paths, private_dir
 from worker.engines.base import (
     ContextSize,
     ContextTooLong,
+    FreeMemoryShort,
     KvCacheMemory,
+    KvCachePart,
     KvCacheSize,
     LogFact,
     MaxConcurrency,
@@ -64,6 +73,9 @@ SOCKET_PATH_MAX_BYTES = 103
 SOCKET_HOST_URL = "http://localhost"  # the Host an engine on a Unix socket is asked as
 
 EventCallback = Callable[[EngineSnapshot, str], None]
+# The `--gpu-memory-utilization` for a plan's cards from a fresh reading; None when none can be made.
+Remeasure = Callable[[EnginePlan], Awaitable[float | None]]
+MEMORY_WAIT_REASON = "Another program is using the GPU's memory; waiting for it to free up"
 
 
 @dataclass(frozen=True)
@@ -86,8 +98,9 @@ class SupervisorTiming:
     probe_timeout_s: float = 60.0
     probe_max_tokens: int = 4
     health_interval_s: float = 5.0
+    health_timeout_s: float = 10.0  # a /health slower than this counts as failed
     health_failures: int = 3  # consecutive failed /health checks before a restart
-    stall_s: float = 120.0  # no token for this long with requests in flight → restart
+    memory_wait: Backoff = Backoff(initial_s=2.0, maximum_s=60.0)  # while another program holds the card
     stable_after_s: float = 60.0  # an engine that ran this long did not crash "fast"
     max_fast_failures: int = 5
     output_settle_s: float = 2.0  # after an exit, for the last lines to be read
@@ -123,7 +136,7 @@ def socket_path_for(home: Path, engine_id: str) -> tuple[Path, Path | None]:
     return folder / f"{engine_id}.sock", folder
 
 
-EndKind = Literal["oom", "context", "crashed", "unhealthy", "timeout", "unstartable"]
+EndKind = Literal["oom", "context", "free_memory", "crashed", "unhealthy", "timeout", "unstartable"]
 
 
 @dataclass(frozen=True)
@@ -138,9 +151,10 @@ class Ended:
 
 @dataclass(frozen=True)
 class Step:
-    """What to do next: `retry` (same args), `fallback` (the next option), or `fail`."""
+    """What to do next: `retry` (same args), `fallback` (the next option), `wait` (for memory
+    another program holds, then the same args), or `fail`."""
 
-    action: Literal["retry", "fallback", "fail"]
+    action: Literal["retry", "fallback", "wait", "fail"]
     reason: str
     delay_s: float = 0.0
 
@@ -161,17 +175,22 @@ def tier_name(tier: str | None) -> str:
     return f"tier {tier}" if tier is not None else "base args"
 
 
+_TOO_BIG = {"oom": "out of memory while starting", "context": "the KV cache cannot hold the context"}
+
+
 def next_step(ended: Ended, *, option: int, options: int, fast_failures: int, tier: str | None,
-              next_tier: str | None, timing: SupervisorTiming, backoff: Backoff) -> Step:
-    """Pure: the step after an attempt ended. `fast_failures` counts this one if it was fast."""
-    if ended.kind == "context":
-        return Step("fail", ended.message)
+              next_tier: str | None, timing: SupervisorTiming, backoff: Backoff, memory_waits: int = 1) -> Step:
+    """Pure: the step after an attempt ended. `fast_failures` counts this one if it was fast;
+    `memory_waits` the free-memory refusals in a row, this one included."""
+    if ended.kind == "free_memory":
+        return Step("wait", MEMORY_WAIT_REASON, timing.memory_wait.delay(memory_waits))
     if ended.kind == "unstartable":
         return Step("fail", ended.message)
-    if ended.kind == "oom" and not ended.was_ready:
+    if ended.kind in _TOO_BIG and not ended.was_ready:
         if option + 1 < options:
-            return Step("fallback", f"out of memory while starting on {tier_name(tier)}; "
-                                    f"retrying on {tier_name(next_tier)}")
+            return Step("fallback", f"{_TOO_BIG[ended.kind]} on {tier_name(tier)}; retrying on {tier_name(next_tier)}")
+        if ended.kind == "context":
+            return Step("fail", ended.message)
         return Step("fail", f"The engine ran out of GPU memory while starting, even with {tier_name(tier)}. "
                             f"Free GPU memory (close other programs using the GPU) and try again. {ended.message}")
     if fast_failures >= timing.max_fast_failures:
@@ -194,7 +213,10 @@ class _AttemptFacts:
 
     oom: str | None = None
     too_long: ContextTooLong | None = None
+    free_memory: str | None = None
     slots: Slots | None = None
+    kv_mib: float = 0.0  # llama.cpp: every KV cache of this start together
+    kv_cells: int | None = None  # llama.cpp: the full-attention cache's cells (the largest)
 
 
 class EngineSupervisor:
@@ -205,9 +227,12 @@ class EngineSupervisor:
                  sleep: Callable[[float], Any] = asyncio.sleep, clock: Callable[[], float] = time.monotonic,
                  key_factory: Callable[[], str] = lambda: secrets.token_hex(24),  # never starts with "-" (argparse)
                  base_env: Mapping[str, str] | None = None, gpu_released: procs.GpuReleased | None = None,
-                 http: httpx.AsyncClient | None = None, unix_socket: bool | None = None):
+                 http: httpx.AsyncClient | None = None, unix_socket: bool | None = None,
+                 remeasure: Remeasure | None = None):
         """`http` is used for an engine on a TCP port; one on a Unix socket gets its own client.
-        `unix_socket` None follows the platform (`UNIX_SOCKETS`); False keeps an engine on 127.0.0.1."""
+        `unix_socket` None follows the platform (`UNIX_SOCKETS`); False keeps an engine on 127.0.0.1.
+        `remeasure` gives the memory share to start with after vLLM found the card's memory held
+        (None: the planned share again)."""
         self.plan = plan
         self.adapter = plan.adapter
         self._paths = paths
@@ -219,6 +244,7 @@ class EngineSupervisor:
         self._key_factory = key_factory
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._gpu_released = gpu_released
+        self._remeasure = remeasure
         self._http = http
         self._owns_http = False
         self._unix_socket = UNIX_SOCKETS if unix_socket is None else unix_socket
@@ -237,7 +263,6 @@ class EngineSupervisor:
         self._run_id: str | None = None
         self._facts = _AttemptFacts()
         self._in_flight = 0
-        self._last_progress = clock()
 
     # --- what others read ----------------------------------------------------------------
 
@@ -268,16 +293,10 @@ class EngineSupervisor:
         return self._in_flight
 
     def request_started(self) -> None:
-        if self._in_flight == 0:
-            self._last_progress = self._clock()
         self._in_flight += 1
 
     def request_finished(self) -> None:
         self._in_flight = max(0, self._in_flight - 1)
-
-    def note_progress(self) -> None:
-        """The relay saw a streamed chunk: the engine is making progress."""
-        self._last_progress = self._clock()
 
     async def wait_for_state(self, *states: NodeState, timeout: float) -> EngineSnapshot:
         """The snapshot once the state is one of `states`; TimeoutError otherwise."""
@@ -345,15 +364,18 @@ class EngineSupervisor:
         pid_path = procs.pid_file(self._paths.run_dir, self.plan.engine_id)
         await asyncio.to_thread(procs.reap_pid_file, pid_path, self._timing.stop)
         options = start_options(self.plan)
-        option, fast_failures, reason = 0, 0, "starting"
+        option, fast_failures, memory_waits, reason = 0, 0, 0, "starting"
         while True:
             tier, args = options[option]
             ended = await self._attempt(tier, args, pid_path, reason)
-            fast = not ended.was_ready or ended.uptime_s < self._timing.stable_after_s
-            fast_failures = fast_failures + 1 if fast else 1
+            memory_waits = memory_waits + 1 if ended.kind == "free_memory" else 0
+            if not memory_waits:  # waiting for memory is no failure of the engine's
+                fast = not ended.was_ready or ended.uptime_s < self._timing.stable_after_s
+                fast_failures = fast_failures + 1 if fast else 1
             following = options[option + 1][0] if option + 1 < len(options) else None
             step = next_step(ended, option=option, options=len(options), fast_failures=fast_failures, tier=tier,
-                             next_tier=following, timing=self._timing, backoff=self._backoff)
+                             next_tier=following, timing=self._timing, backoff=self._backoff,
+                             memory_waits=memory_waits)
             if step.action == "fail":
                 self._set("failed", step.reason, last_error=step.reason)
                 return
@@ -361,9 +383,28 @@ class EngineSupervisor:
             if step.action == "fallback":
                 option += 1
                 fast_failures = 0
+            elif step.action == "wait":
+                self._set("starting", reason, last_error=ended.message)
+                memory_waits = await self._wait_for_memory(step.delay_s, memory_waits)
+                reason = "starting with the GPU memory that is free now"
             else:
                 self._set("starting", reason, restarts=self._snapshot.restarts + 1, last_error=ended.message)
                 await self._sleep(step.delay_s)
+
+    async def _wait_for_memory(self, delay_s: float, waits: int) -> int:
+        """Sleep, then take the share of the cards that is free now, for every later start (the
+        last one where none can be measured). Where none is free at all, no engine could start:
+        keep waiting, longer each time. Returns the waits in a row so far."""
+        while True:
+            await self._sleep(delay_s)
+            share = await self._remeasure(self.plan) if self._remeasure is not None else None
+            if share is None:
+                return waits
+            if share > 0:
+                self.plan = dataclasses.replace(self.plan, memory_utilization=share)
+                return waits
+            waits += 1
+            delay_s = self._timing.memory_wait.delay(waits)
 
     async def _attempt(self, tier: str | None, args: Sequence[str], pid_path: Path, reason: str) -> Ended:
         """Run one engine process until it ends or must be restarted; it is stopped on return."""
@@ -413,9 +454,10 @@ class EngineSupervisor:
             self._set("starting", fact.phase, phase=fact.phase)
         elif isinstance(fact, KvCacheSize):
             concurrency = fact.concurrency.times if fact.concurrency else snap.max_concurrency
-            gib = round(fact.mib / 1024, 3) if fact.mib is not None else snap.kv_cache_gib
-            self._update(kv_cache_tokens=fact.tokens, max_concurrency=concurrency, kv_cache_gib=gib,
+            self._update(kv_cache_tokens=fact.tokens, max_concurrency=concurrency,
                          context=dataclasses.replace(snap.context, physical=fact.tokens))
+        elif isinstance(fact, KvCachePart):
+            self._add_kv_part(fact)
         elif isinstance(fact, MaxConcurrency):
             self._update(max_concurrency=fact.times)
         elif isinstance(fact, KvCacheMemory):
@@ -429,9 +471,23 @@ class EngineSupervisor:
         else:
             self._note_failure(fact)
 
+    def _add_kv_part(self, part: KvCachePart) -> None:
+        """llama.cpp's budget over this start's caches: their memory together, and the cells of the
+        full-attention one (the largest) as tokens, never a sum (engines.md B2)."""
+        facts = self._facts
+        facts.kv_mib += part.mib
+        if part.cells is not None:
+            facts.kv_cells = max(part.cells, facts.kv_cells or 0)
+        self._update(kv_cache_gib=round(facts.kv_mib / 1024, 3))
+        if facts.kv_cells is not None:
+            self._update(kv_cache_tokens=facts.kv_cells,
+                         context=dataclasses.replace(self._snapshot.context, physical=facts.kv_cells))
+
     def _note_failure(self, fact: LogFact) -> None:
         if isinstance(fact, ContextTooLong):
             self._facts.too_long = fact
+        elif isinstance(fact, FreeMemoryShort):
+            self._facts.free_memory = self._facts.free_memory or fact.message
         elif isinstance(fact, OutOfMemory):
             self._facts.oom = self._facts.oom or fact.message
 
@@ -491,7 +547,6 @@ class EngineSupervisor:
     async def _became_ready(self) -> None:
         await self._read_llamacpp_context()
         self._run_id = uuid.uuid4().hex[:12]
-        self._last_progress = self._clock()
         self._set("ready", "answered /v1/models and a test completion", phase="ready")
 
     async def _read_llamacpp_context(self) -> None:
@@ -532,9 +587,6 @@ class EngineSupervisor:
             if await self._exited_within(process, self._timing.health_interval_s):
                 return await self._ended_by_exit(process, started, was_ready=True)
             uptime = self._clock() - started
-            stalled = self.stall_reason()
-            if stalled is not None:
-                return Ended("unhealthy", stalled, uptime, True)
             problem = await self._health_problem()
             if problem is None:
                 failures = 0
@@ -548,16 +600,12 @@ class EngineSupervisor:
             if self._snapshot.state == "ready":
                 self._set("degraded", f"health check failed: {problem}")
 
-    def stall_reason(self) -> str | None:
-        """Why the engine counts as stalled (requests in flight, no token for `stall_s`), or None."""
-        idle = self._clock() - self._last_progress
-        if self._in_flight and idle > self._timing.stall_s:
-            return f"no token for {idle:.0f} s with {self._in_flight} request(s) in flight"
-        return None
-
     async def _health_problem(self) -> str | None:
+        timeout = self._timing.health_timeout_s
         try:
-            response = await self.http.get(self._url("/health"), timeout=self._timing.request_timeout_s)
+            response = await self.http.get(self._url("/health"), timeout=timeout)
+        except httpx.TimeoutException:
+            return f"no answer within {timeout:g} s"
         except httpx.HTTPError as exc:
             return type(exc).__name__
         return None if response.status_code == 200 else f"HTTP {response.status_code}"
@@ -568,6 +616,8 @@ class EngineSupervisor:
             await asyncio.wait_for(process.output_closed(), self._timing.output_settle_s)
         uptime = self._clock() - started
         facts = self._facts
+        if facts.free_memory is not None:
+            return Ended("free_memory", facts.free_memory, uptime, was_ready)
         if facts.too_long is not None:
             return Ended("context", context_refusal(facts.too_long), uptime, was_ready)
         if facts.oom is not None:

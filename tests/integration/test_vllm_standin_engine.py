@@ -5,9 +5,11 @@ crash loops and hangs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +24,14 @@ from worker.config import Paths
 from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 from worker.procs import StopTiming
-from worker.relay import EngineTarget, Relay, engine_http_client
+from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
 from worker.supervise import Backoff, EngineSupervisor, SupervisorTiming, Target
 
 pytestmark = pytest.mark.integration
 
 FAST = SupervisorTiming(
     ready_timeout_s=10, poll_s=0.05, request_timeout_s=1.0, probe_timeout_s=2.0, health_interval_s=0.1,
-    health_failures=2, stall_s=0.5, stable_after_s=30, max_fast_failures=3, output_settle_s=1.0,
+    health_timeout_s=1.0, health_failures=2, stable_after_s=30, max_fast_failures=3, output_settle_s=1.0,
     stop=StopTiming(grace_s=2.0, gone_s=2.0, poll_s=0.02))
 TINY_BACKOFF = Backoff(initial_s=0.01, maximum_s=0.05)
 BASE = ("--max-model-len", "4096", "--enforce-eager")
@@ -215,25 +217,6 @@ async def test_engine_that_stops_answering_is_restarted(vllm_standin: Path, tmp_
     assert not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE
 
 
-async def test_no_token_progress_with_requests_in_flight_restarts(vllm_standin: Path, tmp_path: Path) -> None:
-    sup = supervisor(standin_plan(vllm_standin, env={"STANDIN_STALL_AFTER_REQUESTS": "1"}), tmp_path)
-    await sup.start()
-    await sup.wait_for_state("ready", timeout=10)
-    target = sup.target()
-    async with client(target, timeout=10) as http:
-        sup.request_started()
-        with pytest.raises(httpx.HTTPError):
-            async with http.stream("POST", f"{target.base_url}/v1/chat/completions",
-                                     headers={"Authorization": f"Bearer {target.api_key}"},
-                                     json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as rsp:
-                async for _chunk in rsp.aiter_bytes():
-                    sup.note_progress()
-        sup.request_finished()
-    snap = await _restarted(sup)
-    await sup.stop()
-    assert "no token for" in snap.last_error and "1 request(s) in flight" in snap.last_error
-
-
 async def test_slow_generation_with_progress_is_not_restarted(vllm_standin: Path, tmp_path: Path) -> None:
     sup = supervisor(standin_plan(vllm_standin, env={"STANDIN_TOKEN_DELAY_S": "0.1"}), tmp_path)
     await sup.start()
@@ -248,7 +231,6 @@ async def test_slow_generation_with_progress_is_not_restarted(vllm_standin: Path
             async for line in rsp.aiter_lines():
                 if line.startswith("data: {"):
                     chunks += 1
-                    sup.note_progress()
         sup.request_finished()
     snap = sup.snapshot()
     await sup.stop()
@@ -374,3 +356,252 @@ async def test_without_sockets_the_engine_is_on_loopback_with_the_key_in_its_env
         assert target.api_key not in cmdline and denied.status_code == 401
     finally:
         await sup.stop()
+
+
+class EngineHooks(RelayHooks):
+    """What the node tells a supervisor about the requests the relay hands its engine."""
+
+    def __init__(self, sup: EngineSupervisor) -> None:
+        self.sup = sup
+
+    def on_start(self, request_id: str, engine_id: str, t: float) -> None:
+        self.sup.request_started()
+
+    def on_end(self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool) -> None:
+        self.sup.request_finished()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole-answer", "quiet-stream"])
+async def test_a_long_quiet_generation_on_a_healthy_engine_runs_to_its_end(
+        vllm_standin: Path, tmp_path: Path, stream: bool) -> None:
+    """Quiet for 0.6 s before each token (1.2 s in all), six health checks' time: an answer that
+    arrives whole, or a stream whose first token is late, is no sign of a dead engine."""
+    slow = standin_plan(vllm_standin, env={"STANDIN_TOKEN_DELAY_S": "0.6"})
+    sup = supervisor(slow, tmp_path, timing=dataclasses.replace(FAST, probe_timeout_s=5.0))
+    await sup.start()
+    frames: list[BaseModel] = []
+
+    async def send(message: BaseModel) -> bool:
+        frames.append(message)
+        return True
+
+    try:
+        await sup.wait_for_state("ready", timeout=10)
+        pid, t = sup.snapshot().pid, sup.target()
+        target = EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name, t.socket_path)
+        async with engine_http_client() as http:
+            relay = Relay(send, lambda: [target], lambda: None, http=http, hooks=EngineHooks(sup))
+            body = {"model": "qwen3-8b", "prompt": "hi", "max_tokens": 2, "stream": stream}
+            await relay.handle(protocol.Request(id="r-1", method="POST", path="/v1/completions", body=body))
+        snap = sup.snapshot()
+    finally:
+        await sup.stop()
+    end = frames[-1]
+    assert isinstance(end, protocol.ResponseEnd), end
+    assert end.usage is not None and end.usage.completion_tokens == 2
+    assert (snap.state, snap.restarts, snap.pid) == ("ready", 0, pid) and sup.in_flight == 0
+
+
+async def test_a_health_check_that_hangs_three_times_in_a_row_restarts_the_engine(
+        vllm_standin: Path, tmp_path: Path) -> None:
+    recorder = Recorder()
+    timing = dataclasses.replace(FAST, health_failures=3, health_timeout_s=0.3)
+    sup = supervisor(standin_plan(vllm_standin, env={"STANDIN_FREEZE_AFTER_REQUESTS": "1"}), tmp_path, recorder,
+                     timing)
+    await sup.start()
+    await sup.wait_for_state("ready", timeout=10)
+    first_pid = sup.snapshot().pid
+    snap = await _restarted(sup)
+    await sup.stop()
+    degraded = [reason for state, reason in recorder.events if state == "degraded"]
+    assert degraded == ["health check failed: no answer within 0.3 s"]
+    assert snap.pid != first_pid
+    assert snap.last_error == "stopped answering /health (no answer within 0.3 s, 3 checks in a row)"
+
+
+def memory_guarded_vllm(tmp_path: Path, standin: Path) -> Path:
+    """vLLM's start-up memory check in front of the stand-in: with `--gpu-memory-utilization` above
+    the share in FREE_SHARE (a file, so the test can change it) it refuses as vLLM does and exits 1."""
+    executable = tmp_path / "vllm"
+    executable.write_text(f"""#!{sys.executable}
+import os, pathlib, sys
+args = sys.argv[1:]
+flags = [i for i, a in enumerate(args) if a == "--gpu-memory-utilization"]
+wanted = float(args[flags[-1] + 1]) if flags else 0.92
+free = float(pathlib.Path({str(tmp_path / "FREE_SHARE")!r}).read_text())
+if wanted > free:
+    print(f"(EngineCore pid={{os.getpid()}}) ERROR 11-29 12:10:09 [core.py:1584] ValueError: Free memory on device "
+          f"cuda:0 ({{free * 23.52:.2f}}/23.52 GiB) on startup is less than desired GPU memory utilization "
+          f"({{wanted}}, {{wanted * 23.52:.2f}} GiB). Decrease GPU memory utilization or reduce GPU memory used by "
+          "other processes.", file=sys.stderr, flush=True)
+    sys.exit(1)
+os.execv({str(standin)!r}, [{str(standin)!r}, *args])
+""")
+    executable.chmod(0o755)
+    return executable
+
+
+async def test_free_memory_refusal_measures_again_and_waits_on_the_same_tier(
+        vllm_standin: Path, tmp_path: Path) -> None:
+    """Another program holds the card: no tier is dropped; the supervisor waits, measures again,
+    and starts with what the card has free now."""
+    (tmp_path / "FREE_SHARE").write_text("0.5")
+    guarded = memory_guarded_vllm(tmp_path, vllm_standin)
+    plan = dataclasses.replace(tiered_plan(guarded, {}), memory_utilization=0.9)
+    readings = [0.8, 0.45]  # still held at the first look, freed enough at the second
+    measured: list[EnginePlan] = []
+    delays: list[float] = []
+
+    async def remeasure(engine_plan: EnginePlan) -> float | None:
+        measured.append(engine_plan)
+        return readings.pop(0)
+
+    async def sleep(seconds: float) -> None:
+        delays.append(seconds)
+
+    recorder = Recorder()
+    sup = EngineSupervisor(plan, paths=Paths.under(tmp_path).ensure(), on_event=recorder, timing=FAST,
+                           backoff=TINY_BACKOFF, base_env=dict(os.environ), sleep=sleep, remeasure=remeasure)
+    await sup.start()
+    snap = await sup.wait_for_state("ready", "failed", timeout=20)
+    await sup.stop()
+    assert snap.state == "ready", snap.last_error
+    assert snap.tier == "40000" and snap.argv[snap.argv.index("--max-num-seqs") + 1] == "128"
+    assert snap.argv[snap.argv.index("--gpu-memory-utilization") + 1] == "0.45"
+    assert delays == [2, 4] and [p.memory_utilization for p in measured] == [0.9, 0.8]
+    waiting = [r for state, r in recorder.events if "Another program is using the GPU's memory" in r]
+    assert len(waiting) == 2 and all(state == "starting" for state, r in recorder.events if r in waiting)
+    assert snap.restarts == 0 and "Free memory on device" in (snap.last_error or "")
+
+
+# --- the stand-in refuses as vLLM does (engines.md A3), on a card the desktop holds ------------------
+
+# A display-attached RTX 4090 (tests/fixtures/nvml/rtx4090-desktop.json): 2,950 of 24,564 MiB held.
+DESKTOP_4090 = {"STANDIN_GPU_TOTAL_MIB": "24564", "STANDIN_GPU_FREE_MIB": "21614", "CUDA_VISIBLE_DEVICES": "0"}
+MEASURED_SHARE = 0.771  # what the plan tells vLLM there: usable 18,940 / 24,564, rounded down
+
+
+async def run_standin(standin: Path, args: list[str], env: dict[str, str], tmp_path: Path) -> tuple[int, str]:
+    """The stand-in started bare (no supervisor) as the app would start vLLM: its exit status and
+    everything it printed, once it exits or prints that it listens (then it is stopped)."""
+    socket_path = tmp_path / f"e{len(list(tmp_path.glob('*.sock')))}.sock"  # a failed start leaves its socket file
+    child_env = {**os.environ, "STANDIN_ENGINE_CORE": "0", **env}
+    process = await asyncio.create_subprocess_exec(
+        str(standin), "serve", "/models/Qwen3-8B", *args, "--host", "127.0.0.1", "--uds", str(socket_path),
+        env=child_env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert process.stdout is not None
+    lines: list[str] = []
+    async with asyncio.timeout(10):
+        async for raw in process.stdout:
+            lines.append(raw.decode().rstrip("\n"))
+            if "Starting vLLM server on" in lines[-1]:
+                process.terminate()
+        status = await process.wait()
+    return (0 if any("Starting vLLM server on" in line for line in lines) else status), "\n".join(lines)
+
+
+def vllm_line(output: str, text: str) -> str:
+    """The one line carrying `text`, without vLLM's `(Process pid=N) LEVEL date [file:line] ` prefix."""
+    (line,) = [line for line in output.splitlines() if text in line]
+    return line.split("] ", 1)[1] if "] " in line else line
+
+
+async def test_vllms_default_share_is_refused_on_a_card_the_desktop_holds(vllm_standin: Path, tmp_path: Path) -> None:
+    """0.92 × 24,564 MiB = 22.07 GiB asked of a card with 21.11 GiB free: vLLM's first check fails."""
+    status, output = await run_standin(vllm_standin, ["--max-model-len", "4096"], DESKTOP_4090, tmp_path)
+    assert status == 1
+    assert vllm_line(output, "Free memory on device") == (
+        "ValueError: Free memory on device cuda:0 (21.11/23.99 GiB) on startup is less than desired GPU memory "
+        "utilization (0.92, 22.07 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+    assert vllm_line(output, "EngineCore failed to start") == "EngineCore failed to start."
+    assert "RuntimeError: Engine core initialization failed. See root cause above." in output
+    assert "Loading model" not in output  # vLLM checks before it loads anything
+
+
+async def test_the_measured_share_passes_the_check_and_sizes_the_kv_cache(vllm_standin: Path, tmp_path: Path) -> None:
+    """0.771 × 24,564 MiB less 16,000 MiB of weights and the 1,536 MiB activation reserve leaves
+    1,403 MiB: 1.37 GiB, 9,968 tokens at 144 KiB a token (whole blocks of 16)."""
+    env = {**DESKTOP_4090, "STANDIN_WEIGHTS_MIB": "16000"}
+    args = ["--max-model-len", "8192", "--gpu-memory-utilization", str(MEASURED_SHARE)]
+    status, output = await run_standin(vllm_standin, args, env, tmp_path)
+    assert status == 0, output
+    assert vllm_line(output, "Available KV cache memory") == "Available KV cache memory: 1.37 GiB"
+    assert vllm_line(output, "GPU KV cache size") == (
+        "GPU KV cache size: 9,968 tokens, Maximum concurrency for 8,192 tokens per request: 1.22x")
+    assert vllm_line(output, "Model loading took") == "Model loading took 15.62 GiB memory and 0.012000 seconds"
+
+
+async def test_a_context_the_kv_cache_cannot_hold_is_refused_with_vllms_numbers(
+        vllm_standin: Path, tmp_path: Path) -> None:
+    env = {**DESKTOP_4090, "STANDIN_WEIGHTS_MIB": "16000"}
+    args = ["--max-model-len", "131072", "--gpu-memory-utilization", str(MEASURED_SHARE)]
+    status, output = await run_standin(vllm_standin, args, env, tmp_path)
+    assert status == 1
+    assert vllm_line(output, "To serve at least one request") == (
+        "ValueError: To serve at least one request with the model's max seq len (131072), (18.0 GiB KV cache is "
+        "needed, which is larger than the available KV cache memory (1.37 GiB). Based on the available memory, the "
+        "estimated maximum model length is 9968. Try increasing `gpu_memory_utilization` (which also controls CPU "
+        "memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. See "
+        "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.")
+    assert "EngineCore failed to start." in output
+
+
+async def test_a_share_that_leaves_nothing_after_the_weights_has_no_cache_blocks(
+        vllm_standin: Path, tmp_path: Path) -> None:
+    env = {**DESKTOP_4090, "STANDIN_WEIGHTS_MIB": "16000"}
+    status, output = await run_standin(vllm_standin, ["--gpu-memory-utilization", "0.6"], env, tmp_path)
+    assert status == 1
+    assert vllm_line(output, "No available memory") == (
+        "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+        "initializing the engine (this flag also controls CPU memory reservation on the CPU backend, despite its "
+        "name). See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.")
+
+
+async def test_every_tensor_parallel_worker_checks_its_own_card(vllm_standin: Path, tmp_path: Path) -> None:
+    """GPU 1 of two (CUDA_VISIBLE_DEVICES=1,2 makes it cuda:0) is fine; GPU 2, cuda:1, is held."""
+    env = {"STANDIN_GPU_TOTAL_MIB": "24564", "STANDIN_GPU_FREE_MIB": "24000,24000,21614",
+           "CUDA_VISIBLE_DEVICES": "1,2"}
+    args = ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.9"]
+    status, output = await run_standin(vllm_standin, args, env, tmp_path)
+    assert status == 1 and "Free memory on device cuda:1 (21.11/23.99 GiB)" in output
+    assert "cuda:0" not in output
+    status, _ = await run_standin(vllm_standin, [*args[:2], "--gpu-memory-utilization", "0.87"], env, tmp_path)
+    assert status == 0
+
+
+async def test_vllm_011_wording_of_the_free_memory_refusal(vllm_standin: Path, tmp_path: Path) -> None:
+    status, output = await run_standin(vllm_standin, [], {**DESKTOP_4090, "STANDIN_VERSION": "0.11"}, tmp_path)
+    assert status == 1
+    assert vllm_line(output, "Free memory on device") == (
+        "ValueError: Free memory on device (21.11/23.99 GiB) on startup is less than desired GPU memory utilization "
+        "(0.92, 22.07 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+
+
+async def test_an_idle_default_card_still_passes_any_share(vllm_standin: Path, tmp_path: Path) -> None:
+    status, output = await run_standin(vllm_standin, ["--gpu-memory-utilization", "0.99"], {}, tmp_path)
+    assert status == 0 and "GPU KV cache size: 445,888 tokens" in output
+
+
+async def test_the_supervisor_brings_up_vllm_on_the_desktop_card_with_the_measured_share(
+        vllm_standin: Path, tmp_path: Path) -> None:
+    plan = dataclasses.replace(standin_plan(vllm_standin, env={**DESKTOP_4090, "STANDIN_WEIGHTS_MIB": "16000"}),
+                               memory_utilization=MEASURED_SHARE)
+    sup = supervisor(plan, tmp_path)
+    await sup.start()
+    snap = await sup.wait_for_state("ready", "failed", timeout=10)
+    await sup.stop()
+    assert snap.state == "ready", snap.last_error
+    assert snap.argv[snap.argv.index("--gpu-memory-utilization") + 1] == "0.771"
+    assert (snap.kv_cache_tokens, snap.kv_cache_gib) == (9968, 1.37)
+
+
+async def test_a_context_the_kv_cache_cannot_hold_falls_back_to_the_next_tier(
+        vllm_standin: Path, tmp_path: Path) -> None:
+    recorder = Recorder()
+    sup = supervisor(tiered_plan(vllm_standin, {"STANDIN_KV_TOKENS": "10000"}), tmp_path, recorder)
+    await sup.start()
+    snap = await sup.wait_for_state("ready", "failed", timeout=15)
+    await sup.stop()
+    assert snap.state == "ready" and snap.tier == "24000", snap.last_error
+    assert snap.argv[snap.argv.index("--max-num-seqs") + 1] == "64" and snap.restarts == 0
+    assert ("starting", "the KV cache cannot hold the context on tier 40000; retrying on tier 24000") in recorder.events

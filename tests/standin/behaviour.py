@@ -4,8 +4,13 @@
 | --- | --- |
 | `STANDIN_VERSION` | `0.33` (default: KV size and concurrency on one line) or `0.11` (two lines, older texts) |
 | `STANDIN_MODEL_MAX_LEN` | the model's own context length, used when `--max-model-len` is absent (32768) |
-| `STANDIN_KV_TOKENS` | KV cache tokens the "GPU" holds (445888); a `--max-model-len` above it is refused as vLLM does |
-| `STANDIN_KV_GIB` | "Available KV cache memory" printed (61.23) |
+| `STANDIN_KV_TOKENS` | KV cache tokens the default card holds (445888); a `--max-model-len` above it is refused as vLLM does |
+| `STANDIN_KV_GIB` | "Available KV cache memory" on the default card (61.23) |
+| `STANDIN_GPU_TOTAL_MIB` | the card's total memory: one figure for every card, or one per GPU index (`24564,24564`); setting this or the next makes the KV budget follow from memory (see memory.py) instead of `STANDIN_KV_*` |
+| `STANDIN_GPU_FREE_MIB` | the card's free memory at start (default: all of it), the same way; vLLM refuses when `--gpu-memory-utilization` × total is more |
+| `STANDIN_WEIGHTS_MIB` | the weights' size (default: the model folder's `*.safetensors`) |
+| `STANDIN_KV_BYTES_PER_TOKEN` | KV bytes one token costs over all layers (147456: Qwen3-8B in bf16) |
+| `CUDA_VISIBLE_DEVICES` | which of those GPUs this process sees, as for vLLM (default: all) |
 | `STANDIN_OOM_ABOVE_MAX_MODEL_LEN` | CUDA out of memory while loading when the effective max model len is above this |
 | `STANDIN_EXIT_AT_START` | exit with this status during start, after an engine-core traceback |
 | `STANDIN_START_DELAY_S` | seconds spent "loading" before the port answers |
@@ -22,6 +27,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TOTAL_MIB = 81559  # an idle 80 GB card: every share fits, and the KV budget is STANDIN_KV_*
+KV_BYTES_PER_TOKEN = 147456  # Qwen3-8B, bf16: 36 layers × 8 KV heads × 128 × 2 (K and V) × 2 bytes
+ACTIVATION_MIB = 1536  # peak activations, CUDA graphs and non-torch memory, held out of the KV cache
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
@@ -32,6 +42,48 @@ def _int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
     value = env.get(name)
     return float(value) if value not in (None, "") else default
+
+
+def _mib_list(env: Mapping[str, str], name: str) -> tuple[int, ...] | None:
+    value = env.get(name)
+    if value in (None, ""):
+        return None
+    return tuple(int(part) for part in value.split(","))
+
+
+@dataclass(frozen=True)
+class Card:
+    """One GPU as the stand-in pretends to see it when it starts."""
+
+    total_mib: int
+    free_mib: int
+
+
+def _machine(env: Mapping[str, str]) -> tuple[Card, ...] | None:
+    """The cards STANDIN_GPU_* describe, by GPU index; None when the test set neither."""
+    totals, frees = _mib_list(env, "STANDIN_GPU_TOTAL_MIB"), _mib_list(env, "STANDIN_GPU_FREE_MIB")
+    if totals is None and frees is None:
+        return None
+    totals = totals or (DEFAULT_TOTAL_MIB,)
+    frees = frees or totals
+    count = max(len(totals), len(frees))
+    if {len(totals), len(frees)} - {1, count}:
+        raise ValueError("STANDIN_GPU_TOTAL_MIB and STANDIN_GPU_FREE_MIB list different numbers of GPUs")
+    cards = tuple(Card(totals[i % len(totals)], frees[i % len(frees)]) for i in range(count))
+    if any(card.free_mib > card.total_mib for card in cards):
+        raise ValueError("STANDIN_GPU_FREE_MIB is more than STANDIN_GPU_TOTAL_MIB")
+    return cards
+
+
+def _visible(env: Mapping[str, str], machine: tuple[Card, ...]) -> tuple[Card, ...]:
+    """The cards CUDA_VISIBLE_DEVICES names, in its order (a single card stands for every index)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return machine
+    indices = [int(part) for part in visible.split(",") if part.strip()]
+    if len(machine) > 1 and any(i >= len(machine) for i in indices):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible} names a GPU STANDIN_GPU_* does not list")
+    return tuple(machine[i if len(machine) > 1 else 0] for i in indices)
 
 
 @dataclass(frozen=True)
@@ -49,12 +101,28 @@ class Behaviour:
     freeze_after_requests: int | None = None
     ignore_sigterm: bool = False
     engine_core: bool = True
+    cards: tuple[Card, ...] = (Card(DEFAULT_TOTAL_MIB, DEFAULT_TOTAL_MIB),)  # as visible to this process
+    gpu_given: bool = False  # STANDIN_GPU_* set: the KV budget follows from memory
+    weights_override_mib: int | None = None
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
+    activation_mib: int = ACTIVATION_MIB
+
+    def weights_bytes(self, model: str) -> int:
+        """STANDIN_WEIGHTS_MIB, else the size of the model folder's safetensors (0 for a name)."""
+        if self.weights_override_mib is not None:
+            return self.weights_override_mib << 20
+        folder = Path(model)
+        return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Behaviour:
         version = env.get("STANDIN_VERSION", "0.33")
         if version not in ("0.33", "0.11"):
             raise ValueError(f"STANDIN_VERSION must be 0.33 or 0.11, not {version!r}")
+        machine = _machine(env)
+        if machine is not None and (env.get("STANDIN_KV_TOKENS") or env.get("STANDIN_KV_GIB")):
+            raise ValueError("STANDIN_KV_* fix the KV budget of the default card; with STANDIN_GPU_* it follows "
+                             "from memory (set STANDIN_KV_BYTES_PER_TOKEN or STANDIN_WEIGHTS_MIB instead)")
         return cls(
             version=version,
             model_max_len=_int(env, "STANDIN_MODEL_MAX_LEN", 32768) or 32768,
@@ -69,4 +137,8 @@ class Behaviour:
             freeze_after_requests=_int(env, "STANDIN_FREEZE_AFTER_REQUESTS", None),
             ignore_sigterm=env.get("STANDIN_IGNORE_SIGTERM") == "1",
             engine_core=env.get("STANDIN_ENGINE_CORE", "1") != "0",
+            cards=_visible(env, machine or cls.cards),
+            gpu_given=machine is not None,
+            weights_override_mib=_int(env, "STANDIN_WEIGHTS_MIB", None),
+            kv_bytes_per_token=_int(env, "STANDIN_KV_BYTES_PER_TOKEN", KV_BYTES_PER_TOKEN) or KV_BYTES_PER_TOKEN,
         )

@@ -15,6 +15,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,7 +250,7 @@ class StandinServer:
         if self.behaviour.freeze_after_requests is not None and finished >= self.behaviour.freeze_after_requests:
             self.frozen.set()
 
-    async def _tokens(self, count: int):
+    async def _tokens(self, count: int) -> AsyncIterator[str]:
         for index in range(count):
             if self.behaviour.token_delay_s:
                 await asyncio.sleep(self.behaviour.token_delay_s)

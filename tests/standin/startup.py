@@ -1,7 +1,8 @@
 """vLLM's startup and failure lines, in the exact texts of the recorded fixtures.
 
-The texts follow tests/fixtures/vllm/ (0.33 and 0.11) with this run's numbers put in. vLLM's
-loggers write to stdout; tqdm bars and uvicorn write to stderr, so each line names its stream.
+The texts follow tests/fixtures/vllm/ (0.33 and 0.11) and engines.md A2/A3 with this run's
+numbers put in. vLLM's loggers write to stdout; tqdm bars and uvicorn write to stderr, so each
+line names its stream. The memory checks and their numbers are memory.py's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Literal
 
 from tests.standin.args import ServeArgs
 from tests.standin.behaviour import Behaviour
+from tests.standin.memory import GIB, KvBudget, format_gib, free_memory_short, kv_budget, weights_bytes_per_worker
 
 Stream = Literal["stdout", "stderr"]
 Line = tuple[Stream, str]
@@ -59,6 +61,11 @@ def _opening(args: ServeArgs, behaviour: Behaviour, max_len: int) -> list[Line]:
               f"dtype=torch.bfloat16, max_seq_len={max_len}, tensor_parallel_size={args.tensor_parallel}, "
               f"served_model_name={args.served_name}", old=old),
         _api("utils.py:1444", "Waiting for 1 local, 0 remote core engine proc(s) to start."),
+    ]
+
+
+def _loading(old: bool) -> list[Line]:
+    return [
         _core("model_runner.py:399", "Loading model from scratch...", old=old),
         ("stderr", "Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00, 98.10it/s]"),
     ]
@@ -89,14 +96,36 @@ def _oom(old: bool) -> list[Line]:
     ]
 
 
-def _too_long(max_len: int, behaviour: Behaviour) -> list[Line]:
-    old = behaviour.version == "0.11"
-    needed = round(behaviour.kv_gib * max_len / max(behaviour.kv_tokens, 1), 2)
-    models = "models's" if old else "model's"
-    error = (f"ValueError: To serve at least one request with the {models} max seq len ({max_len}), ({needed} GiB KV "
-             f"cache is needed, which is larger than the available KV cache memory ({behaviour.kv_gib} GiB). "
-             f"Based on the available memory, the estimated maximum model length is {behaviour.kv_tokens}. "
-             "Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+def _too_long(max_len: int, budget: KvBudget, old: bool) -> list[Line]:
+    """`_check_enough_kv_cache_memory`'s refusal; the estimate is the longest request that fits."""
+    needed = budget.needed_bytes(max_len)
+    if old:
+        estimate = (f"Based on the available memory, the estimated maximum model length is {budget.tokens}."
+                    if budget.tokens > 0 else "")
+        error = (f"ValueError: To serve at least one request with the models's max seq len ({max_len}), "
+                 f"({needed / GIB:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
+                 f"({budget.available_bytes / GIB:.2f} GiB). {estimate} Try increasing `gpu_memory_utilization` "
+                 "or decreasing `max_model_len` when initializing the engine.")
+        return _traceback(error, old=True)
+    estimate = (f" Based on the available memory, the estimated maximum model length is {budget.tokens}."
+                if budget.tokens > 0 else "")
+    error = (f"ValueError: To serve at least one request with the model's max seq len ({max_len}), "
+             f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV cache memory "
+             f"({format_gib(budget.available_bytes)} GiB).{estimate} Try increasing `gpu_memory_utilization` "
+             "(which also controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing "
+             "the engine. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.")
+    return _traceback(error, old=False)
+
+
+def _no_cache_memory(old: bool) -> list[Line]:
+    if old:
+        error = ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+                 "when initializing the engine.")
+    else:
+        error = ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+                 "when initializing the engine (this flag also controls CPU memory reservation on the CPU backend, "
+                 "despite its name). See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more "
+                 "details.")
     return _traceback(error, old=old)
 
 
@@ -111,23 +140,24 @@ def _compile(args: ServeArgs, old: bool) -> list[Line]:
             _core("monitor.py:20", "torch.compile took 0.02 s in total")]
 
 
-def _kv(behaviour: Behaviour, max_len: int) -> list[Line]:
-    concurrency = behaviour.kv_tokens / max_len
-    if behaviour.version == "0.11":
-        return [_core("gpu_worker.py:298", f"Available KV cache memory: {behaviour.kv_gib:.2f} GiB", old=True),
-                _core("kv_cache_utils.py:1087", f"GPU KV cache size: {behaviour.kv_tokens:,} tokens", old=True),
+def _kv(budget: KvBudget, max_len: int, old: bool) -> list[Line]:
+    concurrency = budget.tokens / max_len
+    if old:
+        return [_core("gpu_worker.py:298", f"Available KV cache memory: {budget.gib:.2f} GiB", old=True),
+                _core("kv_cache_utils.py:1087", f"GPU KV cache size: {budget.tokens:,} tokens", old=True),
                 _core("kv_cache_utils.py:1091",
                       f"Maximum concurrency for {max_len:,} tokens per request: {concurrency:.2f}x", old=True)]
-    return [_core("gpu_worker.py:773", f"Available KV cache memory: {behaviour.kv_gib} GiB"),
-            _core("kv_cache_utils.py:1146", f"GPU KV cache size: {behaviour.kv_tokens:,} tokens, "
+    return [_core("gpu_worker.py:773", f"Available KV cache memory: {budget.gib} GiB"),
+            _core("kv_cache_utils.py:1146", f"GPU KV cache size: {budget.tokens:,} tokens, "
                   f"Maximum concurrency for {max_len:,} tokens per request: {concurrency:.2f}x")]
 
 
-def _loaded(old: bool) -> Line:
+def _loaded(args: ServeArgs, behaviour: Behaviour, old: bool) -> Line:
+    """The weights each worker loaded: what memory.py counts when the test gave a GPU."""
+    gib = round(weights_bytes_per_worker(args, behaviour) / GIB, 2) if behaviour.gpu_given else WEIGHTS_GIB
     if old:
-        return _core("gpu_model_runner.py:2653", f"Model loading took {WEIGHTS_GIB:.4f} GiB and 0.012000 seconds",
-                     old=True)
-    return _core("model_runner.py:429", f"Model loading took {WEIGHTS_GIB} GiB memory and 0.012000 seconds")
+        return _core("gpu_model_runner.py:2653", f"Model loading took {gib:.4f} GiB and 0.012000 seconds", old=True)
+    return _core("model_runner.py:429", f"Model loading took {gib} GiB memory and 0.012000 seconds")
 
 
 def _finish(args: ServeArgs, old: bool) -> list[Line]:
@@ -150,21 +180,29 @@ def _finish(args: ServeArgs, old: bool) -> list[Line]:
 
 
 def startup(args: ServeArgs, behaviour: Behaviour) -> Outcome:
-    """The lines up to the point where the server listens, or up to the failure that ends the start."""
+    """The lines up to the point where the server listens, or up to the failure that ends the start:
+    vLLM checks each card's free memory before loading, and the KV cache after."""
     old = behaviour.version == "0.11"
     max_len = effective_max_model_len(args, behaviour)
     lines = _opening(args, behaviour, max_len)
     if behaviour.exit_at_start is not None:
         error = "RuntimeError: stand-in asked to fail at start (STANDIN_EXIT_AT_START)"
         return Outcome(tuple(lines + _traceback(error, old=old)), behaviour.exit_at_start)
+    if not behaviour.cards:
+        return Outcome(tuple(lines + _traceback("RuntimeError: No CUDA GPUs are available", old=old)), 1)
+    if short := free_memory_short(args, behaviour):
+        return Outcome(tuple(lines + _traceback(short.message(old=old), old=old)), 1)
+    lines += _loading(old)
     limit = behaviour.oom_above_max_model_len
     if limit is not None and max_len > limit:
         return Outcome(tuple(lines + _oom(old)), 1)
-    lines += [_loaded(old), *_compile(args, old)]
-    if max_len > behaviour.kv_tokens:
-        kv_line = _kv(behaviour, max_len)[0]
-        return Outcome(tuple(lines + [kv_line] + _too_long(max_len, behaviour)), 1)
-    return Outcome(tuple(lines + _kv(behaviour, max_len) + _finish(args, old)), None)
+    lines += [_loaded(args, behaviour, old), *_compile(args, old)]
+    budget = kv_budget(args, behaviour)
+    if budget.available_bytes <= 0:
+        return Outcome(tuple(lines + _no_cache_memory(old)), 1)
+    if max_len > budget.tokens:
+        return Outcome(tuple(lines + _kv(budget, max_len, old)[:1] + _too_long(max_len, budget, old)), 1)
+    return Outcome(tuple(lines + _kv(budget, max_len, old) + _finish(args, old)), None)
 
 
 def uvicorn_ready() -> tuple[Line, ...]:

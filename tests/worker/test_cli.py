@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -139,16 +138,35 @@ def test_version_and_help(tmp_path):
     assert "detect" in help_text and "plan" in help_text and "--data-dir" in help_text
 
 
-def test_no_command_opens_the_app(monkeypatch):
-    seen = []
-    fake = types.ModuleType("app.main")
-    fake.main = lambda args: seen.append(args) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "app.main", fake)
-    assert cli.main(["--data-dir", "/tmp/x", "--coordinator", "local", "--minimized"]) == 0
-    assert seen == [["--data-dir", "/tmp/x", "--coordinator", "local", "--minimized"]]
+@pytest.mark.parametrize("args", [[], ["--minimized"], ["run", "--coordinator", "local"]])
+def test_the_core_asked_for_the_app_says_where_it_opens(tmp_path, capsys, args):
+    assert cli.main([*args, "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'gpu-provider[gui]'" in err and "gpu-provider run --headless" in err
 
 
-def test_no_command_without_pyside6_says_how_to_install(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_import_app_main", lambda: (_ for _ in ()).throw(ImportError("No module named 'PySide6'")))
-    assert cli.main([]) == 1
-    assert "pip install 'gpu-provider[gui]'" in capsys.readouterr().err
+def test_python_m_worker_without_a_command_never_loads_the_gui(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, runpy\n"
+         "try:\n    runpy.run_module('worker', run_name='__main__')\n"
+         "except SystemExit as exit:\n    print(exit.code, sorted(m for m in sys.modules"
+         " if m.split('.')[0] in ('app', 'PySide6')))"],
+        capture_output=True, text=True, timeout=30, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.stdout.strip() == "1 []", done.stdout + done.stderr
+    assert "desktop app" in done.stderr
+
+
+@pytest.mark.parametrize(("argv", "desktop"), [
+    ([], []),
+    (["--data-dir", "/d", "--minimized"], ["--data-dir", "/d", "--minimized"]),
+    (["run", "--coordinator", "local", "--data-dir", "/d", "--engine-bin", "vllm=/v"],
+     ["--data-dir", "/d", "--coordinator", "local", "--engine-bin", "vllm=/v"]),
+    (["--headless"], None),
+    (["run", "--headless", "--coordinator", "local"], None),
+    (["detect", "--pretty"], None),
+    (["status"], None),
+    (["--version"], None),
+    (["--help"], None),
+])
+def test_desktop_arguments_tell_the_launcher_which_command_lines_are_the_apps(argv, desktop):
+    assert cli.desktop_arguments(argv) == desktop

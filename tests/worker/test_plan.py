@@ -71,7 +71,8 @@ def test_two_4090s_with_the_27b_model_run_one_tensor_parallel_engine():
     assert engine.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert engine.argv("key-1") == [
         "vllm", "serve", "org/Qwen3.8-27B-W4A16", *BASE, *TIER_40, "--tensor-parallel-size", "2",
-        "--host", "127.0.0.1", "--port", "18100", "--served-model-name", "qwen3.8-27b",
+        "--gpu-memory-utilization", "0.838", "--host", "127.0.0.1", "--port", "18100",
+        "--served-model-name", "qwen3.8-27b",
     ]  # the API key travels in the engine's environment, never on its command line
 
 
@@ -111,9 +112,10 @@ def test_apple_silicon_gets_llama_cpp_over_the_working_set():
     (engine,) = result.engines
     assert (engine.gpu_indices, engine.layout, engine.memory_mib, engine.tier) == ((), "single", 98304, "40000")
     assert engine.argv("k") == [
-        "llama-server", "-m", "/cache/q.gguf", "--ctx-size", "32768", "--ctx-size", "65536", "--host", "127.0.0.1",
-        "--port", "18100", "--alias", "qwen3.8-27b", "--metrics",
+        "llama-server", "-m", "/cache/q.gguf", "--ctx-size", "32768", "--ctx-size", "65536", "--fit", "off",
+        "--host", "127.0.0.1", "--port", "18100", "--alias", "qwen3.8-27b", "--metrics",
     ]
+    assert engine.memory_utilization is None
 
 
 def test_the_detected_engine_binary_is_used():
@@ -286,7 +288,9 @@ def only_engine(result: Plan | Refusal) -> EnginePlan:
 def test_a_cap_leaves_the_args_and_is_recorded():
     engine = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": [CAP, "0.9", *BASE]}), Settings()))
     assert engine.memory_cap == 0.9 and engine.args == tuple(BASE + TIER_24)
-    assert CAP not in engine.argv("k") and all(CAP not in args for _, args in engine.fallbacks)
+    assert CAP not in engine.args and all(CAP not in args for _, args in engine.fallbacks)
+    argv = engine.argv("k")
+    assert argv.count(CAP) == 1 and argv[argv.index(CAP) + 1] == "0.849"  # measured 27,715 / 32,607 < the cap
     assert engine.fallbacks == ((None, tuple(BASE)),)
 
 
@@ -345,3 +349,123 @@ def test_engine_plan_is_frozen():
     assert isinstance(engine, EnginePlan)
     with pytest.raises(AttributeError):
         engine.port = 1  # type: ignore[misc]
+
+
+# --- the memory share vLLM is told (contract, Assignment rule 3) ------------------------------------
+
+def utilization_flag(engine: EnginePlan, args: tuple[str, ...] | None = None) -> str:
+    argv = engine.argv("k", args)
+    assert argv.count(CAP) == 1, argv
+    return argv[argv.index(CAP) + 1]
+
+
+def test_a_display_attached_card_gets_its_measured_share_not_vllms_default():
+    """21,614 of 24,564 MiB free (the desktop holds 2,950): usable 18,940 MiB, a share of 0.7710…
+    → 0.771; vLLM's default 0.92 would ask for 22,599 MiB, more than is free."""
+    engine = only_engine(plan(replay("rtx4090-desktop.json"), assign(6000), Settings()))
+    assert engine.memory_utilization == 0.771 and utilization_flag(engine) == "0.771"
+    assert engine.memory_utilization * 24564 <= 21614 < 0.92 * 24564
+
+
+def test_a_tensor_parallel_engine_is_told_the_smallest_share_of_its_cards():
+    """Card 0 has 23,980 MiB free (usable 21,070: 0.857), card 1 23,458 (usable 20,600: 0.838)."""
+    tensor = only_engine(plan(replay("rtx4090x2-no-p2p.json"), assign(17800), Settings()))
+    assert (tensor.gpu_indices, tensor.memory_utilization) == ((0, 1), 0.838)
+    replicas = plan(replay("rtx4090x2-no-p2p.json"), assign(6200), Settings())
+    assert isinstance(replicas, Plan)
+    assert [(e.gpu_indices, e.memory_utilization) for e in replicas.engines] == [((0,), 0.857), ((1,), 0.838)]
+
+
+def test_the_share_is_rounded_down_never_up():
+    machine = replay("rtx4090.json")
+    (gpu,) = machine.gpus
+    nearly_all = replace(machine, gpus=(replace(gpu, memory_total_mib=20601),))  # 20,600 / 20,601 = 0.99995
+    assert only_engine(plan(nearly_all, assign(6000), Settings())).memory_utilization == 0.999
+    assert only_engine(plan(machine, assign(6000), Settings())).memory_utilization == 0.838  # 0.83862
+
+
+def test_a_cap_below_the_measured_share_is_what_vllm_is_told():
+    engine = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": [*BASE, CAP, "0.7"]}), Settings()))
+    assert (engine.memory_cap, engine.memory_utilization, utilization_flag(engine)) == (0.7, 0.7, "0.7")
+    above = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": [*BASE, CAP, "0.95"]}),
+                             Settings()))
+    assert (above.memory_cap, above.memory_utilization) == (0.95, 0.849)
+
+
+def test_every_retry_runs_with_the_same_share():
+    engine = only_engine(plan(replay("h200.json"), assign(17800), Settings()))
+    assert engine.tier == "40000" and len(engine.fallbacks) == 2
+    assert {utilization_flag(engine, args) for _, args in engine.fallbacks} == {utilization_flag(engine)} == {"0.892"}
+
+
+def test_the_share_flag_is_among_the_app_owned_flags_after_the_assignments_args():
+    engine = only_engine(plan(replay("rtx4090-desktop.json"), assign(6000), Settings()))
+    argv = engine.argv("k", socket_path="/run/e0.sock")
+    assert argv[len(argv) - 8:] == [CAP, "0.771", "--host", "127.0.0.1", "--uds", "/run/e0.sock",
+                                    "--served-model-name", "qwen3.8-27b"]
+
+
+def test_llama_cpp_is_told_no_share_and_runs_without_fit():
+    group = GpuGroup((0,), "NVIDIA GeForce RTX 4090", 20600, compute_capability="8.9")
+    engine = only_engine(plan(_machine("windows", (group,)), assign(6000), Settings()))
+    assert engine.memory_utilization is None and CAP not in engine.argv("k")
+    assert engine.argv("k")[-9:-7] == ["--fit", "off"]
+
+
+# --- vLLM under WSL2 (engines.md A8) -----------------------------------------------------------------
+
+def test_vllm_on_wsl2_gets_pinned_memory():
+    engine = only_engine(plan(replay("wsl2-rtx4090.json"), assign(6000), Settings()))
+    assert engine.env == {"CUDA_VISIBLE_DEVICES": "0", "VLLM_WSL2_ENABLE_PIN_MEMORY": "1"}  # 0.33.0: V2 runner is fine
+
+
+def test_an_installed_vllm_before_0_30_on_wsl2_also_gets_the_v1_model_runner():
+    machine = replace(replay("wsl2-rtx4090.json"), engines={"vllm": EngineInstall("0.28.1", "/opt/vllm/bin/vllm")})
+    engine = only_engine(plan(machine, assign(6000, vllm={"engine_version": None}), Settings()))
+    assert engine.env == {"CUDA_VISIBLE_DEVICES": "0", "VLLM_WSL2_ENABLE_PIN_MEMORY": "1",
+                          "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    newer = replace(machine, engines={"vllm": EngineInstall("0.31.0", "/opt/vllm/bin/vllm")})
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in only_engine(plan(newer, assign(6000, vllm={"engine_version": None}),
+                                                              Settings())).env
+
+
+def test_native_linux_gets_no_wsl_settings():
+    engine = only_engine(plan(replay("rtx4090.json"), assign(6000), Settings()))
+    assert engine.env == {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+# --- warnings (field note 004: a bigger prefill chunk cost a drafter its CUDA graph) ------------------
+
+SPEC = ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}']
+
+
+def warnings_for(fixture: str, base: list[str], tier: list[str]) -> tuple[str, ...]:
+    result = plan(replay(fixture), assign(6000, vllm={"base_args": base, "tiers": {"16000": tier}}), Settings())
+    assert isinstance(result, Plan) and {e.tier for e in result.engines} == {"16000"}, result
+    return result.warnings
+
+
+def test_a_speculative_tier_that_raises_the_batch_budget_is_warned_about():
+    (warning,) = warnings_for("rtx4090.json", [*BASE, "--max-num-batched-tokens", "2048", *SPEC],
+                              ["--max-num-batched-tokens", "8k"])
+    assert "tier 16000 raises --max-num-batched-tokens to 8k (base: 2048)" in warning
+    assert "speculative" in warning and "109 to 19 tokens/s" in warning
+
+
+def test_the_warning_is_given_once_for_many_engines_and_shown_in_the_plan_json():
+    base, tier = [*BASE, *SPEC], ["--max-num-batched-tokens=4096"]
+    result = plan(replay("rtx4090x2-no-p2p.json"), assign(6200, vllm={"base_args": base, "tiers": {"16000": tier}}),
+                  Settings())
+    assert isinstance(result, Plan) and len(result.engines) == 2
+    assert len(result.warnings) == 1 and "(base: 2048)" in result.warnings[0]  # vLLM's default on a 24 GiB card
+    assert result.to_json()["warnings"] == list(result.warnings)
+
+
+@pytest.mark.parametrize(("fixture", "base", "tier"), [
+    ("rtx4090.json", [*BASE, "--max-num-batched-tokens", "2048"], ["--max-num-batched-tokens", "8192"]),  # no drafter
+    ("rtx4090.json", [*BASE, "--max-num-batched-tokens", "8192", *SPEC], ["--max-num-batched-tokens", "2048"]),
+    ("rtx4090.json", [*BASE, "--max-num-batched-tokens", "2048", *SPEC], ["--max-num-seqs", "64"]),
+    ("h200.json", [*BASE, *SPEC], ["--max-num-batched-tokens", "8192"]),  # vLLM's default there is 8192
+])
+def test_no_warning_without_a_drafter_or_a_raised_budget(fixture, base, tier):
+    assert warnings_for(fixture, base, tier) == ()

@@ -6,19 +6,24 @@ import dataclasses
 import os
 import shutil
 import stat
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.support.fake_engine import FakeEngine
-from worker.config import Paths, private_dir
+from worker.config import Paths, Settings, private_dir
 from worker.engines.base import ContextTooLong
+from worker.hardware import Gpu, Machine, ReplaySource
+from worker.node import Node
 from worker.plan import EnginePlan
 from worker.supervise import (
     SOCKET_PATH_MAX_BYTES,
     Backoff,
     Ended,
     EngineSupervisor,
+    Step,
     SupervisorTiming,
     Target,
     context_refusal,
@@ -76,11 +81,32 @@ def test_crashes_restart_with_backoff_until_too_many_fast_ones() -> None:
     assert given_up.action == "fail" and "3 times in a row" in given_up.reason and "status 1" in given_up.reason
 
 
-def test_refusals_fail_at_once() -> None:
+def test_refusals_fail_at_once_when_no_lower_option_is_left() -> None:
     refusal = context_refusal(ContextTooLong(131072, 34480))
     assert "131072" in refusal and "34480" in refusal and "--max-model-len" in refusal
-    assert step(Ended("context", refusal, 1.0, False)).action == "fail"
+    assert step(Ended("context", refusal, 1.0, False)) == Step("fail", refusal)
     assert step(Ended("unstartable", "Could not start vllm", 0.0, False)).action == "fail"
+
+
+def test_a_context_too_big_for_the_kv_cache_falls_back_a_tier_like_out_of_memory() -> None:
+    refusal = context_refusal(ContextTooLong(65536, 34480))
+    fallback = step(Ended("context", refusal, 40.0, was_ready=False), option=0, options=3)
+    assert fallback.action == "fallback" and fallback.delay_s == 0
+    assert fallback.reason == "the KV cache cannot hold the context on tier 40000; retrying on tier 24000"
+    assert step(Ended("context", refusal, 40.0, was_ready=False), option=2, options=3) == Step("fail", refusal)
+
+
+FREE_MEMORY_REFUSAL = ("ValueError: Free memory on device cuda:0 (11.20/23.52 GiB) on startup is less than desired "
+                       "GPU memory utilization (0.9, 21.17 GiB).")
+
+
+def test_a_free_memory_refusal_waits_on_the_same_tier_longer_each_time_up_to_a_minute() -> None:
+    short = Ended("free_memory", FREE_MEMORY_REFUSAL, 9.0, was_ready=False)
+    steps = [next_step(short, option=0, options=3, fast_failures=n, tier="40000", next_tier="24000", timing=TIMING,
+                       backoff=BACKOFF, memory_waits=n) for n in (1, 2, 3, 6, 7, 40)]
+    assert [(s.action, s.delay_s) for s in steps] == [("wait", 2), ("wait", 4), ("wait", 8), ("wait", 60),
+                                                     ("wait", 60), ("wait", 60)]
+    assert steps[0].reason == "Another program is using the GPU's memory; waiting for it to free up"
 
 
 def test_context_refusal_without_an_estimate_still_says_what_to_do() -> None:
@@ -112,6 +138,65 @@ def test_llamacpp_startup_log_gives_cells_and_slots(tmp_path: Path) -> None:
     assert snap.context.requested == 2048
 
 
+@pytest.mark.parametrize(("fixture", "tokens", "mib"), [
+    ("startup-iswa.log", 8192, 512.0),  # the full-attention cache, not the last (0 MiB, sliding-window) one
+    ("startup-hybrid.log", 131072, 2048.0),  # never the recurrent state's 4 "cells" (they count sequences)
+])
+def test_llamacpp_kv_budget_is_the_full_attention_cells_and_the_memory_of_every_cache(
+        tmp_path: Path, fixture: str, tokens: int, mib: float) -> None:
+    sup = EngineSupervisor(plan("llamacpp"), paths=Paths.under(tmp_path))
+    for line in (FIXTURES / "llamacpp" / fixture).read_text().splitlines():
+        sup.observe_line(line)
+    snap = sup.snapshot()
+    assert (snap.kv_cache_tokens, snap.kv_cache_gib, snap.context.physical) == (tokens, round(mib / 1024, 3), tokens)
+
+
+SWA_START = [
+    "llama_kv_cache_iswa: creating non-SWA KV cache, size = 8192 cells",
+    "llama_kv_cache: size =   68.00 MiB (  8192 cells,   8 layers,  4/1 seqs), K (q8_0):   34.00 MiB, V (q8_0):   34.00 MiB",
+    "llama_kv_cache_iswa: creating     SWA KV cache, size = 4608 cells",
+    "llama_kv_cache: size =  765.00 MiB (  4608 cells,  40 layers,  4/1 seqs), K (q8_0):  382.50 MiB, V (q8_0):  382.50 MiB",
+]
+
+
+def test_llamacpp_caches_of_a_start_add_up_in_memory_but_not_in_tokens(tmp_path: Path) -> None:
+    sup = EngineSupervisor(plan("llamacpp"), paths=Paths.under(tmp_path))
+    for line in SWA_START:
+        sup.observe_line(line)
+    assert (sup.snapshot().kv_cache_tokens, sup.snapshot().kv_cache_gib) == (8192, round(833 / 1024, 3))
+
+
+def test_llamacpp_oldest_kv_line_gives_memory_and_leaves_the_tokens_to_the_slots(tmp_path: Path) -> None:
+    sup = EngineSupervisor(plan("llamacpp"), paths=Paths.under(tmp_path))
+    sup.observe_line("llama_kv_cache_unified: KV self size  =  448.00 MiB, K (f16):  224.00 MiB, V (f16):  224.00 MiB")
+    assert (sup.snapshot().kv_cache_tokens, sup.snapshot().kv_cache_gib) == (None, round(448 / 1024, 3))
+
+
+def script(path: Path, body: str) -> Path:
+    """A stand-in executable: this Python running `body`."""
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(0o755)
+    return path
+
+
+async def test_llamacpp_kv_figures_are_counted_per_start_not_over_restarts(tmp_path: Path) -> None:
+    """Each start prints its caches again; a restart must not add them to the last start's."""
+    printed = "\n".join(SWA_START) + "\n"
+    crashing = script(tmp_path / "llama-server", f"import sys\nsys.stderr.write({printed!r})\nsys.exit(1)\n")
+
+    async def no_wait(_seconds: float) -> None:
+        return None
+
+    sup = EngineSupervisor(dataclasses.replace(plan("llamacpp"), executable=(str(crashing),)),
+                           paths=Paths.under(tmp_path).ensure(), sleep=no_wait,
+                           timing=SupervisorTiming(max_fast_failures=2, poll_s=0.05, output_settle_s=2.0))
+    await sup.start()
+    snap = await sup.wait_for_state("failed", timeout=10)
+    await sup.stop()
+    assert snap.restarts == 1 and "status 1" in (snap.last_error or "")
+    assert (snap.kv_cache_tokens, snap.kv_cache_gib) == (8192, round(833 / 1024, 3))
+
+
 def test_phases_are_events_while_starting(tmp_path: Path) -> None:
     events: list[tuple[str, str | None, str]] = []
     sup = EngineSupervisor(plan(), paths=Paths.under(tmp_path),
@@ -123,21 +208,15 @@ def test_phases_are_events_while_starting(tmp_path: Path) -> None:
     assert all(state == "starting" for state, _, _ in events)
 
 
-def test_stall_needs_requests_in_flight_and_no_progress(tmp_path: Path) -> None:
-    now = [100.0]
-    sup = EngineSupervisor(plan(), paths=Paths.under(tmp_path), timing=SupervisorTiming(stall_s=30),
-                           clock=lambda: now[0])
-    now[0] += 1000
-    assert sup.stall_reason() is None  # idle for long: nothing in flight, nothing stalled
+def test_in_flight_counts_requests_and_never_goes_below_zero(tmp_path: Path) -> None:
+    sup = EngineSupervisor(plan(), paths=Paths.under(tmp_path))
     sup.request_started()
-    now[0] += 20
-    sup.note_progress()
-    now[0] += 25
-    assert sup.stall_reason() is None and sup.in_flight == 1
-    now[0] += 10
-    assert "no token for 35 s with 1 request(s) in flight" == sup.stall_reason()
+    sup.request_started()
     sup.request_finished()
-    assert sup.stall_reason() is None and sup.in_flight == 0
+    assert sup.in_flight == 1
+    sup.request_finished()
+    sup.request_finished()
+    assert sup.in_flight == 0
 
 
 def mode(path: Path) -> int:
@@ -179,3 +258,37 @@ async def test_the_supervisors_client_reaches_what_listens_on_the_engines_socket
 
 def test_a_target_made_the_old_way_has_no_socket() -> None:
     assert Target("http://127.0.0.1:1", "k", "m", "e0").socket_path is None
+
+
+# --- what the node gives a supervisor to measure again with ------------------------------------
+
+TWO_CARDS = {"device_count": 2,
+             "memory:0": {"total_mib": 24564, "free_mib": 23000, "used_mib": 1564},
+             "memory:1": {"total_mib": 24564, "free_mib": 12000, "used_mib": 12564}}  # a game holds 12 GB here
+
+
+def node_on(tmp_path: Path, calls: dict[str, Any] | None) -> Node:
+    node = Node(Paths.under(tmp_path), Settings(), coordinator_url="ws://127.0.0.1:9",
+                nvml=ReplaySource(calls) if calls is not None else None)
+    cards = tuple(Gpu(index=i, uuid=f"GPU-{i}", name="NVIDIA GeForce RTX 4090", memory_total_mib=24564,
+                      memory_free_mib=23000, usable_mib=20188) for i in (0, 1))
+    node.machine = Machine(os="linux", runtime="native", arch="x86_64", cpu_model="cpu", cpu_cores=8,
+                           ram_mib=65536, gpus=cards)
+    return node
+
+
+async def test_the_node_measures_a_plans_cards_again_by_the_rules_of_detection_and_planning(tmp_path: Path) -> None:
+    tensor = dataclasses.replace(plan(), gpu_indices=(0, 1), layout="tensor")
+    # card 1: 12,000 MiB free × 0.90 − 512 = 10,288 usable, ÷ 24,564 = 0.4188… → 0.418 (card 0 gives more)
+    assert await node_on(tmp_path / "a", TWO_CARDS)._remeasure_memory(tensor) == 0.418
+    assert await node_on(tmp_path / "b", TWO_CARDS)._remeasure_memory(dataclasses.replace(plan(), gpu_indices=(0,))) \
+        == 0.821
+    capped = dataclasses.replace(tensor, memory_cap=0.3)  # the assignment's cap still holds
+    assert await node_on(tmp_path / "c", TWO_CARDS)._remeasure_memory(capped) == 0.3
+
+
+async def test_the_node_gives_no_figure_where_the_cards_cannot_be_read(tmp_path: Path) -> None:
+    unread = {"device_count": 2, "memory:0": TWO_CARDS["memory:0"]}  # card 1's memory query failed
+    tensor = dataclasses.replace(plan(), gpu_indices=(0, 1), layout="tensor")
+    assert await node_on(tmp_path / "a", unread)._remeasure_memory(tensor) is None
+    assert await node_on(tmp_path / "b", None)._remeasure_memory(tensor) is None  # no NVML on this machine

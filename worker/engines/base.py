@@ -64,12 +64,21 @@ class MaxConcurrency:
 
 @dataclass(frozen=True)
 class KvCacheSize:
-    """KV capacity in tokens; vLLM ≥ 0.2x prints the concurrency on the same line, llama.cpp its
-    MiB (several lines on SWA models: sum them)."""
+    """vLLM's KV capacity in tokens; ≥ 0.2x prints the concurrency on the same line."""
 
     tokens: int
-    mib: float | None = None
     concurrency: MaxConcurrency | None = None
+
+
+@dataclass(frozen=True)
+class KvCachePart:
+    """One `llama_kv_cache` of a llama.cpp start: a sliding-window model has two, and a hybrid
+    recurrent one a recurrent state besides, which is no KV cache. The budget is the sum of the
+    parts' MiB and the largest `cells` (the full-attention cache); None where the oldest builds
+    printed no cells."""
+
+    mib: float
+    cells: int | None
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,14 @@ class ContextTooLong:
 
 @dataclass(frozen=True)
 class OutOfMemory:
+    message: str
+
+
+@dataclass(frozen=True)
+class FreeMemoryShort:
+    """vLLM refused to start: the card has less free than its memory share asks for, because
+    another process holds some. No lower tier helps; measuring again and waiting does."""
+
     message: str
 
 
@@ -114,8 +131,8 @@ class StartupComplete:
 
 LogFact = Union[
     PhaseReached, EngineVersion, MaxModelLen, ModelLoaded, CompileFinished, GraphsCaptured, KvCacheMemory,
-    KvCacheSize, MaxConcurrency, ContextTooLong, OutOfMemory, StartFailed, ContextSize, Slots, Listening,
-    StartupComplete,
+    KvCacheSize, KvCachePart, MaxConcurrency, ContextTooLong, OutOfMemory, FreeMemoryShort, StartFailed,
+    ContextSize, Slots, Listening, StartupComplete,
 ]
 
 

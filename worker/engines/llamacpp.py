@@ -14,7 +14,7 @@ from worker.engines.base import (
     ContextSize,
     Endpoint,
     EngineVersion,
-    KvCacheSize,
+    KvCachePart,
     Listening,
     LogFact,
     OutOfMemory,
@@ -46,7 +46,11 @@ _BUILD = re.compile(r"^build: (\d+) \((\w+)\)")
 _LOADING = re.compile(r"loading model '")
 _N_CTX = re.compile(r"llama_context: n_ctx\s+=\s+(\d+)")
 _SLOTS = re.compile(r"n_slots = (\d+), n_ctx_slot = (\d+)(?:, kv_unified = '(true|false)')?")
-_KV_SIZE = re.compile(r"size =\s*([\d.]+) MiB \(\s*(\d+) cells")
+# A cache's total, told apart by the function that prints it (B2): `llama_kv_cache` (older builds:
+# `llama_kv_cache_unified`, up to b5400 as "KV self size" without cells) is a KV cache;
+# `llama_memory_recurrent`, whose cells count sequences of recurrent state, is not. The per-buffer
+# "KV buffer size" lines repeat the same memory.
+_KV_SIZE = re.compile(r"^llama_kv_cache(?:_unified)?:\s+(?:KV self )?size\s*=\s*([\d.]+) MiB(?: \(\s*(\d+) cells)?")
 _MODEL_LOADED = re.compile(r"llama_server: model loaded|main: model loaded")
 _LISTENING = re.compile(r"listening on (\S+)")
 _OOM = re.compile(r"cudaMalloc failed: out of memory|failed to allocate \S+ buffer|failed to allocate compute")
@@ -109,7 +113,7 @@ def parse_line(line: str) -> LogFact | None:
     if _FAILED.search(message):
         return StartFailed(message.strip())
     if match := _KV_SIZE.search(message):
-        return KvCacheSize(tokens=int(match.group(2)), mib=float(match.group(1)))
+        return KvCachePart(float(match.group(1)), int(match.group(2)) if match.group(2) else None)
     if match := _N_CTX.search(message):
         return ContextSize(int(match.group(1)))
     if match := _SLOTS.search(message):

@@ -15,6 +15,7 @@ from worker.engines.base import (
     ContextTooLong,
     Endpoint,
     EngineVersion,
+    FreeMemoryShort,
     GraphsCaptured,
     KvCacheMemory,
     KvCacheSize,
@@ -74,9 +75,10 @@ _TOO_LONG = re.compile(r"max seq len \((\d+)\)")
 _ESTIMATED = re.compile(r"estimated maximum model length is (\d+)")
 _OOM = re.compile(
     r"CUDA out of memory|cudaMalloc failed: out of memory|CUDA error: out of memory|"
-    r"No available memory for the cache blocks|Free memory on device|not enough GPU memory|"
-    r"Cannot auto-fit max_model_len"
+    r"No available memory for the cache blocks|not enough GPU memory|Cannot auto-fit max_model_len"
 )
+# The refusal only (A3); a healthy start's INFO hint "Free memory on device (…) on startup. Desired …" is not one.
+_FREE_MEMORY = re.compile(r"Free memory on device .*? on startup is less than desired GPU memory utilization")
 _FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed")
 
 
@@ -135,6 +137,8 @@ def parse_line(line: str) -> LogFact | None:
     if match := _TOO_LONG.search(message):
         estimate = _ESTIMATED.search(message)
         return ContextTooLong(int(match.group(1)), int(estimate.group(1)) if estimate else None)
+    if _FREE_MEMORY.search(message):
+        return FreeMemoryShort(message.strip())
     if _OOM.search(message):
         return OutOfMemory(message.strip())
     if _FAILED.search(message):

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import httpx
 
 from worker.events import Problem
-from worker.provision.download import Downloader
+from worker.provision.download import Downloader, fetch
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback
 from worker.provision.releases import PinnedAsset
@@ -190,7 +190,8 @@ async def install_release(
     downloads = location.with_name(location.name + ".downloads")
     await asyncio.to_thread(shutil.rmtree, staging, True)
     for asset in assets:
-        archive = await downloader.fetch(
+        archive = await fetch(
+            downloader,
             asset.url,
             downloads / asset.name,
             what=f"engine llama.cpp {build}",

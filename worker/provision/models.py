@@ -25,16 +25,10 @@ import httpx
 
 from worker import protocol
 from worker.config import Paths, Settings
+from worker.download import SPACE_MARGIN_BYTES, FreeBytes, disk_free
 from worker.events import Problem
 from worker.provision.cache import ModelCache
-from worker.provision.download import (
-    SPACE_MARGIN_BYTES,
-    Downloader,
-    FreeBytes,
-    SizeCap,
-    disk_free,
-    verify_sha256,
-)
+from worker.provision.download import Downloader, SizeCap, fetch, verify_sha256
 from worker.provision.errors import ProvisionError, human_bytes
 from worker.provision.progress import ProgressCallback
 from worker.provision.sources import BadSource, ModelSource, check_source, under_system_folder
@@ -148,14 +142,16 @@ async def _https_model(
     need = engine_model.weights_mib * MIB
     await asyncio.to_thread(cache.evict, max(0, limit - need), in_use=(*options.in_use, dest))
     async with _client(http) as client:
-        await _downloader(client, options).fetch(
+        await fetch(
+            Downloader(client, free_bytes=options.free_bytes, sleep=options.sleep, margin_bytes=options.margin_bytes),
             source.value,
             dest,
             what=f"model {source.label}",
             on_progress=on_progress,
-            sha256=source.sha256,
+            sha256=source.sha256 or "",  # check_source always sets it for https; "" would match no file
             max_bytes=cap.max_bytes,
             size_said=cap.said,
+            clock=options.clock,
         )
     await asyncio.to_thread(cache.put, key, dest, sha256=source.sha256)
     return dest
@@ -169,16 +165,6 @@ async def _client(http: httpx.AsyncClient | None) -> AsyncIterator[httpx.AsyncCl
         return
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0), follow_redirects=True) as own:
         yield own
-
-
-def _downloader(client: httpx.AsyncClient, options: ModelOptions) -> Downloader:
-    return Downloader(
-        client,
-        free_bytes=options.free_bytes,
-        clock=options.clock,
-        sleep=options.sleep,
-        margin_bytes=options.margin_bytes,
-    )
 
 
 async def _hf_model(

@@ -9,6 +9,7 @@ from worker.engines.base import (
     CompileFinished,
     ContextTooLong,
     EngineVersion,
+    FreeMemoryShort,
     GraphsCaptured,
     KvCacheMemory,
     KvCacheSize,
@@ -79,6 +80,24 @@ def test_older_refusal_wording_and_missing_estimate():
     assert vllm.parse_line(old) == ContextTooLong(32768, None)
 
 
+def test_free_memory_refusal_is_its_own_fact_not_out_of_memory():
+    found = facts("free-memory.log")
+    refusal = [f for f in found if isinstance(f, (FreeMemoryShort, OutOfMemory))]
+    assert refusal == [FreeMemoryShort(
+        "ValueError: Free memory on device cuda:0 (11.20/23.52 GiB) on startup is less than desired GPU memory "
+        "utilization (0.9, 21.17 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")]
+
+
+@pytest.mark.parametrize(("line", "fact"), [
+    ("ValueError: Free memory on device (61.05/119.7 GiB) on startup is less than desired GPU memory utilization (0.52, 62.24 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+     FreeMemoryShort("ValueError: Free memory on device (61.05/119.7 GiB) on startup is less than desired GPU memory utilization (0.52, 62.24 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")),
+    # the INFO hint a healthy start prints is no refusal
+    ("(EngineCore pid=1) INFO 11-29 11:50:38 [gpu_worker.py:1044] Free memory on device (22.1/23.5 GiB) on startup. Desired GPU memory utilization is (0.9, 21.2 GiB). Actual usage is 15.3 GiB for consumed memory (weights + non-torch), 1.2 GiB for peak activation, and 0.6 GiB for CUDAGraph memory. Replace gpu_memory_utilization config with `--kv-cache-memory=4294967296` (4.0 GiB) to fit into requested memory, or `--kv-cache-memory=5368709120` (5.0 GiB) to fully utilize gpu memory. Current kv cache memory in use is 4.0 GiB.", None),
+])
+def test_free_memory_lines(line, fact):
+    assert vllm.parse_line(line) == fact
+
+
 @pytest.mark.parametrize(
     ("line", "fact"),
     [
@@ -108,6 +127,16 @@ def test_command_puts_app_owned_flags_last():
     assert "--tensor-parallel-size" not in single
     on_socket = vllm.command(["vllm"], "m", [], port=1, api_key="k", served_name="n", socket_path="/r/e0.sock")
     assert on_socket == ["vllm", "serve", "m", "--host", "127.0.0.1", "--uds", "/r/e0.sock", "--served-model-name", "n"]
+
+
+def test_the_measured_memory_share_goes_with_the_app_owned_flags_after_the_assignments_args():
+    argv = vllm.command(["vllm"], "m", ["--max-model-len", "8192"], port=1, api_key="k", served_name="n",
+                        tensor_parallel=2, socket_path="/r/e0.sock", memory_utilization=0.771)
+    assert argv == ["vllm", "serve", "m", "--max-model-len", "8192", "--tensor-parallel-size", "2",
+                    "--gpu-memory-utilization", "0.771", "--host", "127.0.0.1", "--uds", "/r/e0.sock",
+                    "--served-model-name", "n"]
+    assert vllm.command(["vllm"], "m", [], port=1, api_key="k", served_name="n", memory_utilization=0.7)[3:5] == [
+        "--gpu-memory-utilization", "0.7"]
 
 
 def test_environment_is_deliberate():

@@ -200,12 +200,13 @@ async def test_local_file_with_wrong_hash_is_refused(
     local = tmp_path / "mine.gguf"
     local.write_bytes(GGUF)
 
-    with pytest.raises(ProvisionError):
+    with pytest.raises(ProvisionError) as failure:
         await ensure_model(
             engine_model(str(local), sha256="0" * 64), "llamacpp", paths, Settings(), progress.append
         )
 
-    assert local.exists()
+    assert local.read_bytes() == GGUF
+    assert "not used" in failure.value.problem.message and "deleted" not in failure.value.problem.message
 
 
 async def test_local_folder_for_vllm_and_its_gguf_for_llamacpp(

@@ -90,9 +90,7 @@ class Rig:
             "hello_timeout_s": 30.0,
             "idle_poll_s": 0.01,
             "marker_poll_s": 0.02,
-            "download": DownloadPolicy(
-                attempts=3, retry_delay_s=0.0, progress_interval_s=0.0
-            ),
+            "download": DownloadPolicy(attempts=3, retry_delay_s=0.0, margin_bytes=0),
         }
         return Updater(
             self.paths,
