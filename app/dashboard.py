@@ -40,6 +40,7 @@ from app.format import (
     state_title,
     tray_state,
 )
+from worker.engines import registry
 from worker.events import (
     DownloadProgress,
     EngineSnapshot,
@@ -214,7 +215,7 @@ class EngineCard(QFrame):
 
     def show_engine(self, engine: EngineSnapshot) -> None:
         key = self.key
-        engine_name = {"vllm": "vLLM", "llamacpp": "llama.cpp"}[engine.engine]
+        engine_name = registry.display_name(engine.engine)
         where = f"GPU {', '.join(str(i) for i in engine.gpu_indices)}" if engine.gpu_indices else "the CPU"
         tier = f" · tier {engine.tier} MiB" if engine.tier else " · base settings"
         self._values.set(f"{key}.title", f"{engine.engine_id} · {engine_name} · {engine.layout} on {where}{tier}")

@@ -90,6 +90,7 @@ class DesktopApp(QObject):
         *,
         tray_available: bool,
         redact: Callable[[str], str],
+        data_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.qapp = qapp
@@ -97,6 +98,7 @@ class DesktopApp(QObject):
         self.settings = settings
         self.bridge = Bridge(node)
         self._redact = redact
+        self._data_dir = data_dir  # what `--data-dir` said: the login item must start the same node
         self.dashboard = Dashboard(self.bridge, hide_on_close=tray_available)
         self.dashboard.setWindowIcon(state_icon("serving"))
         self.dashboard.settings_requested.connect(self.open_settings)
@@ -108,13 +110,20 @@ class DesktopApp(QObject):
             self.tray.open_dashboard.connect(self.dashboard.bring_forward)
             self.tray.open_settings.connect(self.open_settings)
             self.tray.open_logs.connect(self.open_logs)
-            self.tray.quit_requested.connect(qapp.quit)
+            self.tray.quit_requested.connect(self.quit)
             self.tray.icon.show()
         qapp.setQuitOnLastWindowClosed(not tray_available)
-        self.core_finished.connect(qapp.quit)
+        self.core_finished.connect(self.quit)
         self.logs: LogsWindow | None = None
         self.server = QLocalServer(self)
         self.server.newConnection.connect(self._on_instance_connection)
+
+    def quit(self) -> None:
+        """Quit on the first request, dashboard open or not. Qt 6's quit first closes every window
+        and gives up if one refuses; the dashboard refuses a close to hide in the tray, so it must
+        stop doing that first (else Quit and SIGTERM only hid it)."""
+        self.dashboard.hide_on_close = False
+        self.qapp.quit()
 
     def listen(self, name: str) -> bool:
         QLocalServer.removeServer(name)  # a stale socket left by a crash
@@ -127,7 +136,8 @@ class DesktopApp(QObject):
 
     def open_settings(self) -> None:
         dialog = SettingsDialog(
-            self.settings, self.paths, self.bridge, autostart.for_platform(), self.bridge.latest.gpus, self.dashboard
+            self.settings, self.paths, self.bridge, autostart.for_platform(data_dir=self._data_dir),
+            self.bridge.latest.gpus, self.dashboard
         )
         dialog.accepted.connect(lambda: setattr(self, "settings", dialog.settings))
         dialog.open()
@@ -152,7 +162,8 @@ def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings
     window-forward socket listens before the core takes the data folder and closes only once the
     engines have stopped, so a second launch always finds this one."""
     desktop = DesktopApp(
-        qapp, node, paths, settings, tray_available=QSystemTrayIcon.isSystemTrayAvailable(), redact=redact_token
+        qapp, node, paths, settings, tray_available=QSystemTrayIcon.isSystemTrayAvailable(), redact=redact_token,
+        data_dir=getattr(args, "data_dir", None),
     )
     desktop.listen(instance_name(paths, os.getpid()))
     core = CoreThread(node.run, desktop.bridge.report_core_failure, desktop.core_finished.emit)
@@ -163,11 +174,11 @@ def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings
         if secrets.get_token() is None and (args.coordinator or settings.coordinator_url) != "local":
             desktop.open_sign_in()
         if args.quit_after is not None:
-            QTimer.singleShot(int(args.quit_after * 1000), qapp.quit)
-        _quit_on_signals(qapp)
+            QTimer.singleShot(int(args.quit_after * 1000), desktop.quit)
+        _quit_on_signals(qapp, desktop.quit)
         return qapp.exec()
     finally:
-        desktop.core_finished.disconnect(qapp.quit)  # the loop has ended: a later quit would outlive it
+        desktop.core_finished.disconnect(desktop.quit)  # the loop has ended: a later quit would outlive it
         desktop.bridge.shutdown()
         core.join(SHUTDOWN_WAIT_S)
         if core.is_alive():
@@ -175,10 +186,10 @@ def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings
         desktop.server.close()
 
 
-def _quit_on_signals(qapp: QApplication) -> None:
+def _quit_on_signals(qapp: QApplication, quit_app: Callable[[], None]) -> None:
     """Ctrl+C / SIGTERM quit cleanly; a short timer lets Python see signals during Qt's loop."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: qapp.quit())
+        signal.signal(sig, lambda *_: quit_app())
     ticker = QTimer(qapp)
     ticker.timeout.connect(lambda: None)
     ticker.start(250)

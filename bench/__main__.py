@@ -1,6 +1,6 @@
 """Run the benchmarks, print one table of figures beside their targets, and save it as JSON.
 
-`python -m bench [--quick] [--only relay,detect,node] [--upstream httpx,lean] [--profile]`
+`python -m bench [--quick] [--only relay,detect,node] [--profile]`
 """
 
 from __future__ import annotations
@@ -23,17 +23,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--profile", action="store_true",
                         help="run the relay's node side under cProfile (stats in bench/results/relay-*.prof)")
-    parser.add_argument("--upstream", default="httpx,lean",
-                        help="the relay's client to the engine, comma-separated: lean (worker.loopback_http, "
-                        "as shipped), httpx (the previous client, for comparison); default both")
     parser.add_argument("--levels", default="1,32,128,256", help="relay concurrency levels")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
-    if set(args.upstream.split(",")) - {"httpx", "lean"}:
-        parser.error("--upstream takes httpx, lean or both")
     return args
 
 
@@ -49,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         found, details["node"] = asyncio.run(node.measure(args.quick))
         figures += found
     profiles: list[Path] = []
-    for upstream in args.upstream.split(",") if "relay" in only else []:
-        profile = RESULTS.parent / f"relay-{upstream}.prof" if args.profile else None
-        changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile, "upstream": upstream}
+    if "relay" in only:
+        profile = RESULTS.parent / "relay.prof" if args.profile else None
+        changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile}
         settings = relay.RelaySettings.quick(**changes) if args.quick else relay.RelaySettings(**changes)
-        found, details[f"relay-{upstream}"] = asyncio.run(relay.measure(settings))
+        found, details["relay"] = asyncio.run(relay.measure(settings))
         figures += found
         profiles += [profile] if profile else []
     print(table(figures))

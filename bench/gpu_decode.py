@@ -32,7 +32,8 @@ from worker.hardware import Machine, detect
 from worker.measure import roofline
 from worker.plan import EnginePlan, Refusal, plan
 from worker.provision.models import ensure_model
-from worker.supervise import EngineSupervisor, SupervisorTiming, Target
+from worker.restart_policy import SupervisorTiming
+from worker.supervise import EngineSupervisor, Target
 
 OUT = RESULTS.parent / "gpu-decode.json"
 DRY_RUN_OUT = RESULTS.parent / "gpu-decode-dry-run.json"  # a --hardware run never passes for a reading

@@ -60,7 +60,6 @@ class RelaySettings:
     paced_delay_s: float = 0.02
     ramp_s: float = 1.0  # latency runs: stream starts spread over this, as requests arrive in service
     profile: Path | None = None
-    upstream: str = "lean"  # the relay's client to the engine: "lean" as shipped (worker.loopback_http), or "httpx"
 
     @classmethod
     def quick(cls, **changes: Any) -> RelaySettings:
@@ -144,18 +143,17 @@ class Rig:
         return total / 1e9
 
 
-def node_command(url: str, engine_url: str, cpus: str, profile: Path | None, upstream: str) -> list[str]:
-    return [sys.executable, "-m", "bench.relay_node", "--url", url, "--engine", engine_url, "--cpus", cpus,
-            "--upstream", upstream] + (["--profile", str(profile)] if profile else [])
+def node_command(url: str, engine_url: str, cpus: str, profile: Path | None) -> list[str]:
+    return [sys.executable, "-m", "bench.relay_node", "--url", url, "--engine", engine_url, "--cpus", cpus] + (["--profile", str(profile)] if profile else [])
 
 
 @asynccontextmanager
-async def rig(*, tokens: int, token_delay_s: float, profile: Path | None, upstream: str) -> AsyncIterator[Rig]:
+async def rig(*, tokens: int, token_delay_s: float, profile: Path | None) -> AsyncIterator[Rig]:
     node_cpu, other_cpus = cpu_split()
     engine, engine_url = await _child([sys.executable, "-m", "bench.stamped_engine", "--tokens", str(tokens),
                                        "--token-delay", str(token_delay_s), "--cpus", other_cpus])
     coordinator = await ReferenceCoordinator(token=TOKEN, ping_interval=None).start()
-    node = await asyncio.create_subprocess_exec(*node_command(coordinator.url, engine_url, node_cpu, profile, upstream),
+    node = await asyncio.create_subprocess_exec(*node_command(coordinator.url, engine_url, node_cpu, profile),
                                                 cwd=ROOT, stdout=asyncio.subprocess.DEVNULL)
     http = LoopbackClient()
     try:
@@ -266,11 +264,9 @@ async def measure(settings: RelaySettings) -> tuple[list[Figure], dict[str, Any]
 
 
 async def _measure(settings: RelaySettings) -> tuple[list[Figure], dict[str, Any]]:
-    async with rig(tokens=settings.tokens, token_delay_s=0.0, profile=settings.profile,
-                   upstream=settings.upstream) as fast:
+    async with rig(tokens=settings.tokens, token_delay_s=0.0, profile=settings.profile) as fast:
         throughput = await _levels(fast, settings, settings.tokens, settings.budget)
-    async with rig(tokens=settings.paced_tokens, token_delay_s=settings.paced_delay_s, profile=None,
-                   upstream=settings.upstream) as paced:
+    async with rig(tokens=settings.paced_tokens, token_delay_s=settings.paced_delay_s, profile=None) as paced:
         latency = await _levels(paced, settings, settings.paced_tokens, None)
     details: dict[str, Any] = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()},
@@ -298,7 +294,7 @@ def _pair(runs: list[Run], concurrency: int) -> tuple[Run, Run]:
 
 
 def figures(settings: RelaySettings, throughput: list[Run], latency: list[Run]) -> list[Figure]:
-    section = SECTION if settings.upstream == "lean" else f"{SECTION} ({settings.upstream} upstream)"
+    section = SECTION
     out: list[Figure] = []
     best_capacity = 0.0
     for c in settings.levels:

@@ -3,8 +3,7 @@
 It wires the two exactly as `worker.node.Node` does (`relay.handle(request, link.sender())`,
 `cancel`, `cancel_all` on disconnect) with one fixed ready engine, and pins itself to the CPUs
 given, so that "on one core" is literal. With `--profile FILE` it runs under cProfile and writes
-the stats on SIGTERM. `--upstream lean` is the relay as shipped (`worker.loopback_http`);
-`--upstream httpx` hands it the httpx client it used before, to keep that comparison measurable.
+the stats on SIGTERM. The relay reads the engine through its shipped client (`worker.loopback_http`).
 
 Run: `python -m bench.relay_node --url ws://127.0.0.1:PORT/v1/provider --engine http://127.0.0.1:P`.
 """
@@ -18,7 +17,6 @@ import os
 import signal
 from typing import Any
 
-import httpx
 
 from worker import protocol
 from worker.link import Backoff, Link
@@ -33,24 +31,15 @@ HELLO = protocol.Hello(
 )
 
 
-def httpx_engine_client() -> httpx.AsyncClient:
-    """The relay's engine client before `worker.loopback_http`, configured as it shipped."""
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=5.0),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        trust_env=False,
-    )
-
-
-async def serve(url: str, engine_url: str, api_key: str, upstream: str) -> None:
-    http: Any = engine_http_client() if upstream == "lean" else httpx_engine_client()
+async def serve(url: str, engine_url: str, api_key: str) -> None:
+    http = engine_http_client()
     target = EngineTarget("e0", engine_url, api_key, "fake-model")
     link: Link | None = None
 
     async def send(message: Any) -> bool:
         return link is not None and await link.send(message)
 
-    relay = Relay(send, lambda: [target], lambda: None, http=http)  # httpx has the calls the relay makes
+    relay = Relay(send, lambda: [target], lambda: None, http=http)
 
     async def on_message(message: Any) -> None:
         if isinstance(message, protocol.Request):
@@ -80,16 +69,13 @@ def main() -> None:
     parser.add_argument("--api-key", default="bench-engine-key")
     parser.add_argument("--cpus", default="", help="comma-separated CPUs to pin this process to")
     parser.add_argument("--profile", default="", help="write cProfile stats here on exit")
-    parser.add_argument("--upstream", choices=("httpx", "lean"), default="lean",
-                        help="the relay's HTTP client to the engine: lean (worker.loopback_http, as shipped) "
-                        "or httpx (as before)")
     args = parser.parse_args()
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     profiler = cProfile.Profile() if args.profile else None
     if profiler is not None:
         profiler.enable()
-    asyncio.run(serve(args.url, args.engine, args.api_key, args.upstream))
+    asyncio.run(serve(args.url, args.engine, args.api_key))
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)

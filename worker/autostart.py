@@ -21,11 +21,19 @@ LAUNCH_AGENT_LABEL = "net.gpu-provider.app"
 RUN_KEY = r"Software\Microsoft\Windows\CurrentVersion\Run"
 
 
-def default_command() -> list[str]:
-    """The command that starts the app minimised to the tray."""
+def default_command(data_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """The command that starts the app minimised to the tray, on the data folder it runs on now
+    (`--data-dir`, absolute, when it is not the default one)."""
+    base = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "app"]
+    folder = ["--data-dir", str(Path(data_dir).expanduser().resolve())] if data_dir else []
+    return [*base, *folder, "--minimized"]
+
+
+def default_icon() -> str:
+    """The entry's icon: the theme name the installed package registers, or the checkout's file."""
     if getattr(sys, "frozen", False):
-        return [sys.executable, "--minimized"]
-    return [sys.executable, "-m", "app", "--minimized"]
+        return APP_ID  # /usr/share/icons/hicolor/…/apps/gpu-provider.png (installer/linux)
+    return str(Path(__file__).resolve().parent.parent / "assets" / "icon.png")
 
 
 class Autostart(Protocol):
@@ -39,10 +47,11 @@ class Autostart(Protocol):
 class XdgAutostart:
     """`~/.config/autostart/gpu-provider.desktop` (freedesktop autostart spec)."""
 
-    def __init__(self, command: Sequence[str], config_home: Path | None = None) -> None:
+    def __init__(self, command: Sequence[str], config_home: Path | None = None, icon: str | None = None) -> None:
         home = config_home or Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
         self.path = home / "autostart" / f"{APP_ID}.desktop"
         self._command = list(command)
+        self._icon = icon or default_icon()
 
     def entry(self) -> str:
         return (
@@ -51,6 +60,7 @@ class XdgAutostart:
             "Name=GPU Provider\n"
             "Comment=Lend this computer's GPU to the inference network\n"
             f"Exec={shlex.join(self._command)}\n"
+            f"Icon={self._icon}\n"
             "Terminal=false\n"
             "X-GNOME-Autostart-enabled=true\n"
         )
@@ -149,8 +159,9 @@ class WindowsRunValue:
         return self._registry.get_value(APP_ID) is not None
 
 
-def for_platform(command: Sequence[str] | None = None, platform: str = sys.platform) -> Autostart:
-    cmd = list(command) if command is not None else default_command()
+def for_platform(command: Sequence[str] | None = None, platform: str = sys.platform,
+                 data_dir: str | os.PathLike[str] | None = None) -> Autostart:
+    cmd = list(command) if command is not None else default_command(data_dir)
     if platform == "win32":
         return WindowsRunValue(cmd)
     if platform == "darwin":

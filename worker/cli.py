@@ -178,13 +178,14 @@ def run_detect(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def parse_engine_bins(values: Sequence[str]) -> dict[str, str]:
-    from worker.hardware.installed import ENGINE_NAMES
+    from worker.engines import registry
 
+    names = registry.names()
     bins: dict[str, str] = {}
     for value in values:
         name, sep, path = value.partition("=")
-        if not sep or name not in ENGINE_NAMES or not path:
-            raise InputError(f"--engine-bin {value!r}: expected NAME=PATH with NAME one of {', '.join(ENGINE_NAMES)}")
+        if not sep or name not in names or not path:
+            raise InputError(f"--engine-bin {value!r}: expected NAME=PATH with NAME one of {', '.join(names)}")
         bins[name] = path
     return bins
 
@@ -210,7 +211,7 @@ def run_node(args: argparse.Namespace, settings: Settings) -> int:
     if not args.headless:
         return _no_desktop_app()
     from worker.datalock import DataFolderInUse
-    from worker.node import run_headless
+    from worker.headless import run_headless
 
     try:
         engine_bins = parse_engine_bins(args.engine_bin)

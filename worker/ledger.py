@@ -3,22 +3,24 @@
 Every write is its own committed transaction: a SIGKILL loses at most the write in progress and
 never leaves the file inconsistent. Requests are keyed by request id and inserted with
 `INSERT OR IGNORE`, so a reconnect or a replayed `response.end` never counts twice. The API is
-synchronous and thread-safe (one connection behind a lock); the node calls it through
-`asyncio.to_thread`.
+synchronous and thread-safe (one connection behind a lock); the node uses it through `Books`,
+which keeps it off the event loop and never uses it closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, tzinfo
 from pathlib import Path
+from typing import Any, TypeVar
 
 from worker.config import PRIVATE_FILE_MODE, private_opener
 from worker.events import EarningsSnapshot
@@ -28,6 +30,8 @@ SCHEMA_VERSION = 1
 JOULES_PER_KWH = 3_600_000.0
 COARSE_STEP_S = 60
 DETAIL_DAYS = 2  # requests kept one by one (for idempotency) for today and yesterday, then per day
+EARNINGS_REFRESH_S = 60.0  # earnings are re-read after each credit, and this often for electricity and the day
+T = TypeVar("T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -320,6 +324,74 @@ class Ledger:
             fine = self._db.execute("SELECT COUNT(*) FROM samples_fine").fetchone()[0]
             coarse = self._db.execute("SELECT COUNT(*) FROM samples_coarse").fetchone()[0]
         return int(fine) + int(coarse)
+
+
+# --- the node's books ---------------------------------------------------------------------------
+
+
+class Books:
+    """The node's ledger while it runs: used from threads (never on the event loop), never once it
+    is closed, credits written in the executor at once and awaited (never cancelled) before it
+    closes. Holds the latest earnings summary, so a snapshot never touches SQLite."""
+
+    def __init__(self, path: Path, currency: Callable[[], str]) -> None:
+        self._path = path
+        self._currency = currency  # the user's, read at each summary (settings change)
+        self._ledger: Ledger | None = None
+        self._guard = threading.Lock()  # held while the ledger is used, so it is never used closed
+        self._writes: set[asyncio.Future[Any]] = set()  # credits still being written
+        self._earnings_read_at = float("-inf")
+        self.earnings: EarningsSnapshot | None = None
+
+    def open(self) -> None:
+        """Opens the file and reads the earnings (in a thread)."""
+        ledger = Ledger(self._path)
+        with self._guard:
+            self._ledger = ledger
+        self.read_earnings()
+
+    def use(self, use: Callable[[Ledger], T]) -> T | None:
+        """`use(ledger)` while the ledger is open; None (and nothing done) once it is closed."""
+        with self._guard:
+            return use(self._ledger) if self._ledger is not None else None
+
+    def read_earnings(self) -> None:
+        currency = self._currency()
+        self.earnings = self.use(lambda ledger: ledger.summary(currency=currency)) or self.earnings
+
+    def record_samples(self, rows: Sequence[tuple[str, float | None]], now: float) -> None:
+        """Chart points (every second); the earnings re-read once every `EARNINGS_REFRESH_S`."""
+        values = {name: value for name, value in rows if value is not None}
+        if values:
+            self.use(lambda ledger: ledger.record_samples(values, now))
+        if now - self._earnings_read_at >= EARNINGS_REFRESH_S:
+            self._earnings_read_at = now
+            self.read_earnings()
+
+    def credit(self, request_id: str, run_id: str, model: str, prompt_tokens: int, completion_tokens: int,
+               price: Price) -> None:
+        """On the event loop: one finished request's earnings, written in the executor at once,
+        then the earnings read again."""
+
+        def write() -> None:
+            self.use(lambda ledger: ledger.record_request(
+                request_id, run_id, model, prompt_tokens, completion_tokens, price))
+            self.read_earnings()
+
+        future = asyncio.get_running_loop().run_in_executor(None, write)
+        self._writes.add(future)
+        future.add_done_callback(self._writes.discard)
+
+    async def close(self) -> None:
+        """After the credits still being written."""
+        await asyncio.gather(*self._writes, return_exceptions=True)
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
+        with self._guard:
+            ledger, self._ledger = self._ledger, None
+        if ledger is not None:
+            ledger.close()
 
 
 # --- energy ----------------------------------------------------------------------------------

@@ -2,57 +2,26 @@
 
 Pages are parsed with prometheus-client's own parser: the exposition format has escaping, label
 quoting and `_total`/`_created` rules that a hand-written parser gets wrong. Engines rename series
-across versions, so every quantity is looked up through one name map, newest name first; a server
-that exports both the old and the new name (vLLM 0.10/0.11 with hidden metrics shown) is read once.
+across versions, so every quantity is looked up through the engine adapter's name map
+(`METRIC_NAMES`), newest name first; a server that exports both the old and the new name (vLLM
+0.10/0.11 with hidden metrics shown) is read once. What only one engine exports (vLLM's KV
+capacity labels, llama.cpp's cached prompt tokens) its adapter derives (`derive_metrics`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-MetricsEngine = Literal["vllm", "llamacpp"]
-
-# Quantity → series names, newest first. Counters are given by their declared name; the scraped
-# series may carry prometheus-client's `_total` suffix or not (see `_counter_value`).
-VLLM_NAMES: Mapping[str, tuple[str, ...]] = {
-    # gpu_cache_usage_perc: deprecated 0.9.2, hidden in 0.10/0.11, gone by 0.20.
-    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    "requests_running": ("vllm:num_requests_running",),
-    "requests_waiting": ("vllm:num_requests_waiting",),
-    "preemptions": ("vllm:num_preemptions",),
-    # gpu_prefix_cache_*: same history as gpu_cache_usage_perc.
-    "prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
-    "prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
-    "prompt_tokens": ("vllm:prompt_tokens",),
-    "generation_tokens": ("vllm:generation_tokens",),
-    "spec_drafts": ("vllm:spec_decode_num_drafts",),
-    "spec_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
-    "spec_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
-}
-
-LLAMACPP_NAMES: Mapping[str, tuple[str, ...]] = {
-    # kv_cache_usage_ratio was removed in May 2025 (llama.cpp PR #13660); old builds only.
-    "kv_usage": ("llamacpp:kv_cache_usage_ratio",),
-    "requests_running": ("llamacpp:requests_processing",),
-    "requests_waiting": ("llamacpp:requests_deferred",),
-    # Newest builds count cached prompt tokens apart from prompt_tokens (see `_llamacpp_prefix`).
-    "prompt_tokens": ("llamacpp:prompt_tokens",),
-    "prompt_tokens_cached": ("llamacpp:prompt_tokens_cached",),
-    "generation_tokens": ("llamacpp:tokens_predicted",),
-    "spec_drafts": ("llamacpp:spec_decode_num_drafts",),
-    "spec_draft_tokens": ("llamacpp:spec_decode_num_draft_tokens",),
-    "spec_accepted_tokens": ("llamacpp:spec_decode_num_accepted_tokens",),
-}
+from worker.engines import registry
 
 # Fractions of one engine's own KV pool: averaged over engines (label sets), never summed.
 _FRACTIONS = frozenset({"kv_usage"})
-_VLLM_CACHE_INFO = "vllm:cache_config_info"
 _COUNTER_SUFFIX = "_total"
 
 
@@ -64,7 +33,7 @@ class MetricsUnavailable(Exception):
 class EngineMetrics:
     """One scrape. Counters are cumulative since the engine started; `None` = not exported."""
 
-    engine: MetricsEngine | None = None
+    engine: str | None = None  # the registered engine's name
     kv_usage: float | None = None  # 0..1
     requests_running: int | None = None
     requests_waiting: int | None = None
@@ -137,7 +106,7 @@ def _delta(now: int | None, before: int | None) -> int | None:
     return now - before
 
 
-def parse_metrics(text: str, engine: MetricsEngine | None = None) -> EngineMetrics:
+def parse_metrics(text: str, engine: str | None = None) -> EngineMetrics:
     """A /metrics page → `EngineMetrics`; the engine is told by the series' prefix if not given.
 
     Raises `MetricsUnavailable` when the text is not Prometheus exposition.
@@ -149,15 +118,14 @@ def parse_metrics(text: str, engine: MetricsEngine | None = None) -> EngineMetri
     engine = engine or _detect_engine(families)
     if engine is None:
         return EngineMetrics()
-    names = VLLM_NAMES if engine == "vllm" else LLAMACPP_NAMES
+    adapter = registry.get(engine)
     values = {
         quantity: _first_present(families, candidates, average=quantity in _FRACTIONS)
-        for quantity, candidates in names.items()
+        for quantity, candidates in adapter.METRIC_NAMES.items()
     }
-    if engine == "llamacpp":
-        values = _llamacpp_prefix(values)
+    values = adapter.derive_metrics(values, lambda name: _labels(families, name))
     figures: dict[str, Any] = {k: _typed(k, v) for k, v in values.items()}
-    return EngineMetrics(engine=engine, **figures, **_vllm_cache_info(families))
+    return EngineMetrics(engine=engine, **figures)
 
 
 def _typed(quantity: str, value: float | None) -> int | float | None:
@@ -167,13 +135,20 @@ def _typed(quantity: str, value: float | None) -> int | float | None:
     return round(value)
 
 
-def _detect_engine(families: Mapping[str, Metric]) -> MetricsEngine | None:
+def _detect_engine(families: Mapping[str, Metric]) -> str | None:
+    """The registered engine whose prefix the page's first series of any engine carries."""
+    adapters = registry.adapters()
     for name in families:
-        if name.startswith("vllm:"):
-            return "vllm"
-        if name.startswith("llamacpp:"):
-            return "llamacpp"
+        for adapter in adapters:
+            if name.startswith(adapter.METRICS_PREFIX):
+                return adapter.NAME
     return None
+
+
+def _labels(families: Mapping[str, Metric], name: str) -> list[Mapping[str, str]]:
+    """The label sets of a family's samples (none where the page has no such family)."""
+    family = families.get(name)
+    return [sample.labels for sample in family.samples] if family else []
 
 
 def _first_present(
@@ -203,41 +178,8 @@ def _series_value(families: Mapping[str, Metric], name: str, *, average: bool) -
     return sum(samples) / len(samples) if average else sum(samples)
 
 
-def _llamacpp_prefix(values: dict[str, float | None]) -> dict[str, float | None]:
-    """Newest llama.cpp counts cached prompt tokens apart: hits = cached, queries = cached + computed."""
-    cached = values.pop("prompt_tokens_cached")
-    computed = values.get("prompt_tokens")
-    if cached is not None and computed is not None:
-        values["prefix_cache_hits"] = cached
-        values["prefix_cache_queries"] = cached + computed
-    return values
-
-
-def _vllm_cache_info(families: Mapping[str, Metric]) -> dict[str, Any]:
-    """KV capacity from the labels of vLLM's `cache_config_info` gauge (one sample per engine)."""
-    family = families.get(_VLLM_CACHE_INFO)
-    labels = [s.labels for s in family.samples] if family else []
-    tokens = [_number(lab.get("kv_cache_size_tokens")) for lab in labels]
-    concurrency = [_number(lab.get("kv_cache_max_concurrency")) for lab in labels]
-    known_tokens = [t for t in tokens if t is not None]
-    known_concurrency = [c for c in concurrency if c is not None]
-    return {
-        "kv_cache_tokens": int(sum(known_tokens)) if known_tokens else None,
-        "max_concurrency": sum(known_concurrency) if known_concurrency else None,
-    }
-
-
-def _number(text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
 async def scrape(
-    http: httpx.AsyncClient, url: str, api_key: str | None = None, engine: MetricsEngine | None = None
+    http: httpx.AsyncClient, url: str, api_key: str | None = None, engine: str | None = None
 ) -> EngineMetrics:
     """GET an engine's /metrics URL and parse it; llama.cpp's /metrics needs the API key."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -8,6 +8,7 @@ on this module, so the app and its test peer can never disagree about a shape. T
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -18,12 +19,15 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     field_validator,
+    model_validator,
 )
+
+log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
-EngineName = Literal["vllm", "llamacpp"]
+EngineName = str  # a registered engine's name (`worker.engines.registry`); checked where it enters, in `ModelSpec`
 Runtime = Literal["native", "wsl2", "apple-silicon", "windows", "cpu"]
 State = Literal["idle", "paused", "configured", "starting", "ready", "degraded", "failed", "stopped"]
 Layout = Literal["tensor", "replica", "single", "layers"]
@@ -158,12 +162,40 @@ class EngineModel(_Message):
 
 
 class ModelSpec(_Message):
+    """The model's `name` and, under each engine's name, that engine's block (`EngineModel`).
+
+    The blocks this app knows are those of the registered engines; a block for any other engine
+    is dropped (logged at info), as a message type this version does not know is. Built in code as
+    on the wire: `ModelSpec(name="m", vllm=EngineModel(...))`."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    __pydantic_extra__: dict[EngineName, EngineModel]
     name: str = Field(min_length=1)
-    vllm: EngineModel | None = None
-    llamacpp: EngineModel | None = None
+
+    def __init__(self, /, **data: Any) -> None:  # engine blocks are keyword arguments named by engine
+        super().__init__(**data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_engine_blocks(cls, data: Any) -> Any:
+        """`name` and the blocks of registered engines (a `null` block is no block); nothing else."""
+        if not isinstance(data, dict):
+            return data
+        from worker.engines import registry  # the engine adapters import this module's types
+
+        known = set(registry.names())
+        if unknown := sorted(map(str, data.keys() - known - {"name"})):
+            log.info("model %.80r: ignoring %d block(s) for engines this app does not run: %.200s",
+                     data.get("name"), len(unknown), ", ".join(map(repr, unknown[:5])))
+        return {key: value for key, value in data.items() if key == "name" or (key in known and value is not None)}
+
+    @property
+    def engines(self) -> dict[EngineName, EngineModel]:
+        """The engine blocks, by engine name."""
+        return dict(self.__pydantic_extra__ or {})
 
     def for_engine(self, engine: EngineName) -> EngineModel | None:
-        return self.vllm if engine == "vllm" else self.llamacpp
+        return self.engines.get(engine)
 
 
 class Assign(_Message):

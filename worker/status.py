@@ -1,17 +1,65 @@
-"""`gpu-provider status`: the running node's latest snapshot, read from its status file.
+"""`gpu-provider status`: the running node's latest snapshot, through its status file.
 
-The node rewrites `run/status.json` every second; this module only reads it, checks that the
-process that wrote it is still alive, and formats it for people.
+The node writes `run/status.json` through `StatusFile` whenever more than the clock changed, and
+every `STATUS_FILE_S` regardless; `read_status` reads it, checks that the process that wrote it
+is still alive, and `status_table` formats it for people.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import psutil
 
+from worker import __version__
 from worker.config import Paths
+from worker.events import NodeSnapshot
+
+STATUS_FILE_S = 10.0  # `gpu-provider status` reads at most this stale a clock
+
+
+class StatusFile:
+    """The node's side of the file: when to rewrite it, and the writing. Only while the node owns
+    the data folder (`owned`): during an update hand-over the new version does, and the file."""
+
+    def __init__(self, paths: Paths, owned: Callable[[], bool],
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._path = paths.status_file
+        self._owned = owned
+        self._monotonic = monotonic
+        self._written: NodeSnapshot | None = None  # without its clock
+        self._written_at = float("-inf")
+
+    def due(self, snap: NodeSnapshot | None) -> bool:
+        """Rewrite when more than the clock changed, else every `STATUS_FILE_S`."""
+        if snap is None:
+            return False
+        visible = snap.without_clock()
+        due = visible != self._written or self._monotonic() - self._written_at >= STATUS_FILE_S
+        if due:
+            self._written, self._written_at = visible, self._monotonic()
+        return due
+
+    def write(self, snap: NodeSnapshot | None) -> None:
+        """0600, like every file the app writes, and replaced whole (a reader never sees half)."""
+        if snap is None or not self._owned():
+            return
+        data = {"pid": os.getpid(), "version": __version__, "snapshot": asdict(snap)}
+        tmp = self._path.with_suffix(".tmp")
+        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+            out.write(json.dumps(data, default=str))
+        os.replace(tmp, self._path)
+
+    def remove(self) -> None:
+        """The node stopped: no file says it runs (unless the folder is another version's now)."""
+        if self._owned():
+            self._path.unlink(missing_ok=True)
 
 
 def read_status(paths: Paths) -> dict[str, Any] | None:

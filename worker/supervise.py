@@ -2,8 +2,8 @@
 
 States follow the protocol: configured → starting → ready; degraded (serving, a health check
 failing); failed (gave up, the reason in `last_error`); stopped. Every change is reported with a
-reason. The decisions (what to do after an attempt ended) are pure functions; the process edge
-is `worker.procs`.
+reason. The decisions (what to do after an attempt ended, what the log said) are pure, in
+`worker.restart_policy`; the process edge is `worker.procs`.
 
 Only the app can reach an engine: where the platform has Unix sockets the engine listens on one,
 in a folder only this user can open (vLLM `--uds`, llama-server `--host PATH.sock`), and every
@@ -38,35 +38,27 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import httpx
 
 from worker import procs
 from worker.config import Paths, private_dir
-from worker.engines.base import (
-    ContextSize,
-    ContextTooLong,
-    FreeMemoryShort,
-    KvCacheMemory,
-    KvCachePart,
-    KvCacheSize,
-    LogFact,
-    MaxConcurrency,
-    MaxModelLen,
-    OutOfMemory,
-    PhaseReached,
-    Slots,
-)
 from worker.events import ContextNumbers, EngineSnapshot, NodeState
 from worker.plan import EnginePlan
+from worker.restart_policy import (
+    AttemptFacts,
+    Backoff,
+    Ended,
+    SupervisorTiming,
+    next_step,
+    start_options,
+)
 
 log = logging.getLogger(__name__)
 
 PROBE_PROMPT = "Hello"
-ERROR_LINES_SHOWN = 8
 UNIX_SOCKETS = os.name == "posix"  # Windows (and vLLM inside WSL2, reached from Windows) keep TCP
 # A socket path must fit `sun_path` with its NUL: 108 bytes on Linux, 104 on macOS.
 SOCKET_PATH_MAX_BYTES = 103
@@ -75,36 +67,6 @@ SOCKET_HOST_URL = "http://localhost"  # the Host an engine on a Unix socket is a
 EventCallback = Callable[[EngineSnapshot, str], None]
 # The `--gpu-memory-utilization` for a plan's cards from a fresh reading; None when none can be made.
 Remeasure = Callable[[EnginePlan], Awaitable[float | None]]
-MEMORY_WAIT_REASON = "Another program is using the GPU's memory; waiting for it to free up"
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Delay before the n-th restart in a row: `initial_s` doubling up to `maximum_s`."""
-
-    initial_s: float = 2.0
-    maximum_s: float = 300.0
-    factor: float = 2.0
-
-    def delay(self, failures_in_a_row: int) -> float:
-        return min(self.maximum_s, self.initial_s * self.factor ** max(0, failures_in_a_row - 1))
-
-
-@dataclass(frozen=True)
-class SupervisorTiming:
-    ready_timeout_s: float = 1800.0  # a large vLLM model compiles and captures graphs for many minutes
-    poll_s: float = 0.5
-    request_timeout_s: float = 10.0
-    probe_timeout_s: float = 60.0
-    probe_max_tokens: int = 4
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 10.0  # a /health slower than this counts as failed
-    health_failures: int = 3  # consecutive failed /health checks before a restart
-    memory_wait: Backoff = Backoff(initial_s=2.0, maximum_s=60.0)  # while another program holds the card
-    stable_after_s: float = 60.0  # an engine that ran this long did not crash "fast"
-    max_fast_failures: int = 5
-    output_settle_s: float = 2.0  # after an exit, for the last lines to be read
-    stop: procs.StopTiming = procs.StopTiming()
 
 
 class Target(NamedTuple):
@@ -134,89 +96,6 @@ def socket_path_for(home: Path, engine_id: str) -> tuple[Path, Path | None]:
         return path, None
     folder = Path(tempfile.mkdtemp(prefix="gpu-provider-"))
     return folder / f"{engine_id}.sock", folder
-
-
-EndKind = Literal["oom", "context", "free_memory", "crashed", "unhealthy", "timeout", "unstartable"]
-
-
-@dataclass(frozen=True)
-class Ended:
-    """How one attempt (one engine process) ended."""
-
-    kind: EndKind
-    message: str
-    uptime_s: float
-    was_ready: bool
-
-
-@dataclass(frozen=True)
-class Step:
-    """What to do next: `retry` (same args), `fallback` (the next option), `wait` (for memory
-    another program holds, then the same args), or `fail`."""
-
-    action: Literal["retry", "fallback", "wait", "fail"]
-    reason: str
-    delay_s: float = 0.0
-
-
-def start_options(plan: EnginePlan) -> tuple[tuple[str | None, tuple[str, ...]], ...]:
-    """The planned args, then once the next lower tier, then base args alone (duplicates dropped)."""
-    options = [(plan.tier, tuple(plan.args))]
-    if plan.fallbacks:
-        options += [plan.fallbacks[0], plan.fallbacks[-1]]
-    unique: list[tuple[str | None, tuple[str, ...]]] = []
-    for tier, args in options:
-        if (tier, tuple(args)) not in unique:
-            unique.append((tier, tuple(args)))
-    return tuple(unique)
-
-
-def tier_name(tier: str | None) -> str:
-    return f"tier {tier}" if tier is not None else "base args"
-
-
-_TOO_BIG = {"oom": "out of memory while starting", "context": "the KV cache cannot hold the context"}
-
-
-def next_step(ended: Ended, *, option: int, options: int, fast_failures: int, tier: str | None,
-              next_tier: str | None, timing: SupervisorTiming, backoff: Backoff, memory_waits: int = 1) -> Step:
-    """Pure: the step after an attempt ended. `fast_failures` counts this one if it was fast;
-    `memory_waits` the free-memory refusals in a row, this one included."""
-    if ended.kind == "free_memory":
-        return Step("wait", MEMORY_WAIT_REASON, timing.memory_wait.delay(memory_waits))
-    if ended.kind == "unstartable":
-        return Step("fail", ended.message)
-    if ended.kind in _TOO_BIG and not ended.was_ready:
-        if option + 1 < options:
-            return Step("fallback", f"{_TOO_BIG[ended.kind]} on {tier_name(tier)}; retrying on {tier_name(next_tier)}")
-        if ended.kind == "context":
-            return Step("fail", ended.message)
-        return Step("fail", f"The engine ran out of GPU memory while starting, even with {tier_name(tier)}. "
-                            f"Free GPU memory (close other programs using the GPU) and try again. {ended.message}")
-    if fast_failures >= timing.max_fast_failures:
-        return Step("fail", f"The engine failed {fast_failures} times in a row within "
-                            f"{timing.stable_after_s:.0f} s of starting; gave up. Last error: {ended.message}")
-    return Step("retry", f"restarting: {ended.message}", backoff.delay(max(1, fast_failures)))
-
-
-def context_refusal(fact: ContextTooLong) -> str:
-    estimate = (f"; with the memory there is, it estimates at most {fact.estimated_max_len} tokens"
-                if fact.estimated_max_len is not None else "")
-    lower = f" to {fact.estimated_max_len} or less" if fact.estimated_max_len is not None else ""
-    return (f"The engine refused max model len {fact.max_seq_len}: its KV cache does not fit in GPU memory"
-            f"{estimate}. Lower --max-model-len{lower}, or free GPU memory.")
-
-
-@dataclass
-class _AttemptFacts:
-    """What the log said during one attempt, kept to explain how it ended."""
-
-    oom: str | None = None
-    too_long: ContextTooLong | None = None
-    free_memory: str | None = None
-    slots: Slots | None = None
-    kv_mib: float = 0.0  # llama.cpp: every KV cache of this start together
-    kv_cells: int | None = None  # llama.cpp: the full-attention cache's cells (the largest)
 
 
 class EngineSupervisor:
@@ -261,7 +140,7 @@ class EngineSupervisor:
         self._process: procs.EngineProcess | None = None
         self._api_key: str | None = None
         self._run_id: str | None = None
-        self._facts = _AttemptFacts()
+        self._facts = AttemptFacts()
         self._in_flight = 0
 
     # --- what others read ----------------------------------------------------------------
@@ -409,7 +288,7 @@ class EngineSupervisor:
     async def _attempt(self, tier: str | None, args: Sequence[str], pid_path: Path, reason: str) -> Ended:
         """Run one engine process until it ends or must be restarted; it is stopped on return."""
         self._api_key = self._key_factory()
-        self._facts = _AttemptFacts()
+        self._facts = AttemptFacts()
         self._remove_socket()
         socket_path = str(self._socket_path) if self._socket_path is not None else None
         argv = self.plan.argv(self._api_key, args, socket_path=socket_path)
@@ -445,51 +324,13 @@ class EngineSupervisor:
     def observe_line(self, line: str) -> None:
         """One line of the engine's output (stdout or stderr): facts go into the snapshot."""
         fact = self.adapter.parse_line(line)
-        if fact is not None:
-            self._apply(fact)
-
-    def _apply(self, fact: LogFact) -> None:
-        snap = self._snapshot
-        if isinstance(fact, PhaseReached) and snap.state == "starting" and fact.phase != snap.phase:
-            self._set("starting", fact.phase, phase=fact.phase)
-        elif isinstance(fact, KvCacheSize):
-            concurrency = fact.concurrency.times if fact.concurrency else snap.max_concurrency
-            self._update(kv_cache_tokens=fact.tokens, max_concurrency=concurrency,
-                         context=dataclasses.replace(snap.context, physical=fact.tokens))
-        elif isinstance(fact, KvCachePart):
-            self._add_kv_part(fact)
-        elif isinstance(fact, MaxConcurrency):
-            self._update(max_concurrency=fact.times)
-        elif isinstance(fact, KvCacheMemory):
-            self._update(kv_cache_gib=fact.gib)
-        elif isinstance(fact, (MaxModelLen, ContextSize)):
-            tokens = fact.tokens if isinstance(fact, MaxModelLen) else fact.n_ctx
-            self._update(context=dataclasses.replace(snap.context, requested=tokens))
-        elif isinstance(fact, Slots):
-            self._facts.slots = fact
-            self._update(max_concurrency=float(fact.n_slots))
+        if fact is None:
+            return
+        snap = self._facts.absorb(fact, self._snapshot)
+        if snap.phase != self._snapshot.phase:
+            self._set("starting", snap.phase or "", phase=snap.phase)
         else:
-            self._note_failure(fact)
-
-    def _add_kv_part(self, part: KvCachePart) -> None:
-        """llama.cpp's budget over this start's caches: their memory together, and the cells of the
-        full-attention one (the largest) as tokens, never a sum (engines.md B2)."""
-        facts = self._facts
-        facts.kv_mib += part.mib
-        if part.cells is not None:
-            facts.kv_cells = max(part.cells, facts.kv_cells or 0)
-        self._update(kv_cache_gib=round(facts.kv_mib / 1024, 3))
-        if facts.kv_cells is not None:
-            self._update(kv_cache_tokens=facts.kv_cells,
-                         context=dataclasses.replace(self._snapshot.context, physical=facts.kv_cells))
-
-    def _note_failure(self, fact: LogFact) -> None:
-        if isinstance(fact, ContextTooLong):
-            self._facts.too_long = fact
-        elif isinstance(fact, FreeMemoryShort):
-            self._facts.free_memory = self._facts.free_memory or fact.message
-        elif isinstance(fact, OutOfMemory):
-            self._facts.oom = self._facts.oom or fact.message
+            self._snapshot = snap
 
     # --- readiness -----------------------------------------------------------------------
 
@@ -545,39 +386,23 @@ class EngineSupervisor:
         return True
 
     async def _became_ready(self) -> None:
-        await self._read_llamacpp_context()
+        await self._read_when_ready()
         self._run_id = uuid.uuid4().hex[:12]
         self._set("ready", "answered /v1/models and a test completion", phase="ready")
 
-    async def _read_llamacpp_context(self) -> None:
-        """llama.cpp: context per request and slot count from /props and /slots.
-
-        Current builds do not print the KV size at default verbosity. Without it, the KV tokens
-        come from the slots: under a unified KV (the default; the log says `kv_unified = 'true'`)
-        all slots share one buffer of the largest slot's context; with a split KV each slot owns
-        its share, so the budget is their sum.
-        """
-        if "props" not in self.adapter.ENDPOINTS:
+    async def _read_when_ready(self) -> None:
+        """What the engine tells only once ready (llama.cpp: context and slots from /props and
+        /slots), read at its adapter's `READY_READS` and put into the snapshot by its adapter."""
+        paths = self.adapter.READY_READS
+        if not paths:
             return
         try:
-            props = await self._get_json("/props")
-            slots = await self._get_json("/slots")
-            per_slot = props.get("default_generation_settings", {}).get("n_ctx")
-            total_slots = props.get("total_slots")
-            largest = max((slot.get("n_ctx", 0) for slot in slots), default=0)
-        except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
-            log.warning("engine %s: could not read /props or /slots: %s", self.plan.engine_id, exc)
+            reads = {path: await self._get_json(path) for path in paths}
+            snapshot = self.adapter.ready_snapshot(reads, self._snapshot, self._facts.slots)
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError, KeyError) as exc:
+            log.warning("engine %s: could not read %s: %s", self.plan.engine_id, " or ".join(paths), exc)
             return
-        snap = self._snapshot
-        per_request = largest if isinstance(largest, int) and largest > 0 else per_slot
-        split = self._facts.slots is not None and self._facts.slots.kv_unified is False
-        budget = sum(slot.get("n_ctx", 0) for slot in slots) if split else per_request
-        kv_tokens = snap.kv_cache_tokens or (budget if isinstance(budget, int) and budget > 0 else None)
-        self._update(
-            kv_cache_tokens=kv_tokens,
-            max_concurrency=float(total_slots) if isinstance(total_slots, int) else snap.max_concurrency,
-            context=dataclasses.replace(snap.context, declared=per_slot if isinstance(per_slot, int) else None,
-                                        physical=per_request if isinstance(per_request, int) else None))
+        self._snapshot = snapshot
 
     # --- serving -------------------------------------------------------------------------
 
@@ -614,17 +439,7 @@ class EngineSupervisor:
         status = await process.wait()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(process.output_closed(), self._timing.output_settle_s)
-        uptime = self._clock() - started
-        facts = self._facts
-        if facts.free_memory is not None:
-            return Ended("free_memory", facts.free_memory, uptime, was_ready)
-        if facts.too_long is not None:
-            return Ended("context", context_refusal(facts.too_long), uptime, was_ready)
-        if facts.oom is not None:
-            return Ended("oom", facts.oom, uptime, was_ready)
-        lines = [line for line in process.tail if line.strip()][-ERROR_LINES_SHOWN:]
-        detail = "\n".join(lines) if lines else "(no output)"
-        return Ended("crashed", f"the engine exited with status {status}; last lines:\n{detail}", uptime, was_ready)
+        return self._facts.ending(status, process.tail, self._clock() - started, was_ready)
 
     # --- state -----------------------------------------------------------------------------
 

@@ -48,6 +48,13 @@ def test_serving_shows_the_measured_figures(dashboard, node, bridge, qtbot):
     assert not d.banner.isVisibleTo(d)
 
 
+def test_an_engine_the_app_does_not_know_is_shown_by_its_name(dashboard, node, bridge, qtbot):
+    """A snapshot from a node with another engine (a newer core, an old status file) is no KeyError."""
+    serving = snapshots.serving()
+    show(node, qtbot, bridge, replace(serving, engines=tuple(replace(e, engine="sglang") for e in serving.engines)))
+    assert dashboard.text("engine:engine-0.title") == "engine-0 · sglang · tensor on GPU 0, 1 · tier 24000 MiB"
+
+
 def test_starting_shows_phase_and_download(dashboard, node, bridge, qtbot):
     show(node, qtbot, bridge, snapshots.starting())
     card = dashboard._engine_cards["engine-0"]

@@ -18,12 +18,13 @@ from worker.config import Paths
 from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 from worker.procs import StopTiming
-from worker.supervise import Backoff, EngineSupervisor, SupervisorTiming
+from worker.restart_policy import Backoff, SupervisorTiming
+from worker.supervise import EngineSupervisor
 
 pytestmark = pytest.mark.integration
 
 TIMING = SupervisorTiming(ready_timeout_s=20, poll_s=0.05, request_timeout_s=2.0, probe_timeout_s=5.0,
-                          health_interval_s=0.1, stall_s=5.0, output_settle_s=1.0,
+                          health_interval_s=0.1, output_settle_s=1.0,
                           stop=StopTiming(grace_s=3.0, gone_s=3.0, poll_s=0.02))
 
 

@@ -156,7 +156,8 @@ class Running:
 
     def engine_target(self, engine_id: str) -> Target:
         """The engine's own address and this run's API key (the secret the argv must hide)."""
-        target = self.node._supervisors[engine_id].target()
+        sup = self.node._engines.get(engine_id)
+        target = sup.target() if sup is not None else None
         assert target is not None, f"engine {engine_id} is not serving"
         return target
 

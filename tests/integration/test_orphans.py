@@ -19,7 +19,8 @@ from tests.support.engines import REPO, VLLM_STANDIN, free_port
 from worker import procs
 from worker.config import Paths
 from worker.plan import EnginePlan
-from worker.supervise import EngineSupervisor, SupervisorTiming
+from worker.restart_policy import SupervisorTiming
+from worker.supervise import EngineSupervisor
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +28,8 @@ APP = textwrap.dedent("""
     import asyncio, json, sys
     from worker.config import Paths
     from worker.plan import EnginePlan
-    from worker.supervise import EngineSupervisor, SupervisorTiming
+    from worker.restart_policy import SupervisorTiming
+    from worker.supervise import EngineSupervisor
 
     async def main(root, standin, port):
         plan = EnginePlan(engine_id="e0", engine="vllm", gpu_indices=(0,), layout="single", memory_mib=1,

@@ -25,7 +25,8 @@ from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 from worker.procs import StopTiming
 from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
-from worker.supervise import Backoff, EngineSupervisor, SupervisorTiming, Target
+from worker.restart_policy import Backoff, SupervisorTiming
+from worker.supervise import EngineSupervisor, Target
 
 pytestmark = pytest.mark.integration
 
@@ -605,3 +606,9 @@ async def test_a_context_the_kv_cache_cannot_hold_falls_back_to_the_next_tier(
     assert snap.state == "ready" and snap.tier == "24000", snap.last_error
     assert snap.argv[snap.argv.index("--max-num-seqs") + 1] == "64" and snap.restarts == 0
     assert ("starting", "the KV cache cannot hold the context on tier 40000; retrying on tier 24000") in recorder.events
+
+
+async def test_a_fixed_kv_budget_and_a_described_card_together_are_refused(vllm_standin: Path, tmp_path: Path) -> None:
+    """Either the KV budget is fixed (STANDIN_KV_*) or it follows from the card, never both at once."""
+    status, output = await run_standin(vllm_standin, [], {**DESKTOP_4090, "STANDIN_KV_TOKENS": "3000"}, tmp_path)
+    assert status == 2 and "STANDIN_KV_* fix the KV budget of the default card" in output

@@ -9,6 +9,7 @@ from worker.autostart import (
     WindowsRunValue,
     XdgAutostart,
     apply_setting,
+    default_command,
     for_platform,
 )
 
@@ -77,3 +78,19 @@ def test_platform_choice():
     assert isinstance(for_platform(COMMAND, "linux"), XdgAutostart)
     assert isinstance(for_platform(COMMAND, "darwin"), LaunchAgent)
     assert isinstance(for_platform(COMMAND, "win32"), WindowsRunValue)
+
+
+def test_the_entry_carries_the_icon_and_the_data_folder(tmp_path, monkeypatch):
+    """A login item that drops `--data-dir` starts a different node (other settings, other
+    identity); one without `Icon=` shows a blank square in the session's startup list."""
+    monkeypatch.chdir(tmp_path)
+    entry = for_platform(platform="linux", data_dir="profiles/second")
+    assert isinstance(entry, XdgAutostart)
+    entry.path = tmp_path / "gpu-provider.desktop"
+    entry.enable()
+    text = entry.path.read_text()
+    exec_line = next(line for line in text.splitlines() if line.startswith("Exec="))
+    assert f"--data-dir {tmp_path / 'profiles' / 'second'} --minimized" in exec_line  # absolute: login has another cwd
+    icon = next(line for line in text.splitlines() if line.startswith("Icon=")).removeprefix("Icon=")
+    assert icon.endswith("icon.png") and (tmp_path / icon).is_file()
+    assert "--data-dir" not in " ".join(default_command())

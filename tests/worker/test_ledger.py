@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from worker.ledger import EnergyIntegrator, Ledger, LedgerError, Retention, earned
+from worker.ledger import Books, EnergyIntegrator, Ledger, LedgerError, Retention, earned
 from worker.protocol import Price
 
 PRICE = Price(currency="USD", per_million_output_tokens=0.40, per_million_input_tokens=0.05)
@@ -235,3 +235,37 @@ def test_midnight_utc_offsets_without_zoneinfo(tmp_path: Path) -> None:
         ledger.record_request("late", "run", "m", 0, 1_000_000, PRICE, at("2026-11-24 23:00", eastern))
         ledger.record_request("early", "run", "m", 0, 1_000_000, PRICE, at("2026-11-25 01:00", eastern))
         assert ledger.summary(at("2026-11-25 02:00", eastern)).today == pytest.approx(0.40)
+
+
+# --- the node's books ----------------------------------------------------------------------------
+
+
+async def test_books_credit_off_the_loop_and_wait_for_every_credit_before_closing(tmp_path: Path) -> None:
+    books = Books(tmp_path / "ledger.sqlite3", lambda: "USD")
+    assert books.use(lambda ledger: ledger.summary()) is None  # not open yet: nothing done
+    books.open()
+    assert books.earnings is not None and books.earnings.all_time == 0.0
+    for n in range(20):
+        books.credit(f"r-{n}", "run-1", "qwen", 0, 1_000_000, PRICE)
+    await books.close()  # every credit written first
+    assert books.use(lambda ledger: ledger.summary()) is None  # closed: never used again
+    assert books.earnings is not None and books.earnings.all_time == pytest.approx(20 * 0.40)
+    with Ledger(tmp_path / "ledger.sqlite3") as ledger:
+        assert ledger.summary().all_time == pytest.approx(20 * 0.40)
+
+
+async def test_books_read_earnings_in_the_users_currency_and_chart_points_without_gaps(tmp_path: Path) -> None:
+    currency = ["USD"]
+    books = Books(tmp_path / "ledger.sqlite3", lambda: currency[0])
+    books.open()
+    books.use(lambda ledger: ledger.record_request("r-1", "run-1", "qwen", 0, 1_000_000,
+                                                   Price(currency="EUR", per_million_output_tokens=1.0)))
+    books.read_earnings()
+    assert books.earnings is not None and (books.earnings.currency, books.earnings.all_time) == ("USD", 0.0)
+    currency[0] = "EUR"
+    now = at("2026-11-25 12:00")
+    books.record_samples([("tokens_per_s", 42.0), ("kv_usage", None)], now)  # the first: earnings re-read
+    assert books.earnings.currency == "EUR" and books.earnings.all_time == pytest.approx(1.0)
+    assert books.use(lambda ledger: ledger.series("tokens_per_s", now - 1, now)) == [(float(int(now)), 42.0)]
+    assert books.use(lambda ledger: ledger.series("kv_usage", now - 1, now)) == []
+    await books.close()

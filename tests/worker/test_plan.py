@@ -385,7 +385,8 @@ def test_the_share_is_rounded_down_never_up():
 
 
 def test_a_cap_below_the_measured_share_is_what_vllm_is_told():
-    engine = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": [*BASE, CAP, "0.7"]}), Settings()))
+    capped = assign(17800, vllm={"base_args": [*BASE, CAP, "0.7"]})
+    engine = only_engine(plan(replay("rtx5090.json"), capped, Settings()))
     assert (engine.memory_cap, engine.memory_utilization, utilization_flag(engine)) == (0.7, 0.7, "0.7")
     above = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": [*BASE, CAP, "0.95"]}),
                              Settings()))

@@ -86,6 +86,17 @@ def test_extra_fields_are_ignored_so_the_coordinator_can_add_some() -> None:
     assert message == protocol.Cancel(id="r-1")
 
 
+def test_an_engine_block_this_app_does_not_run_is_ignored_as_an_unknown_type_is() -> None:
+    """The coordinator may offer engines a newer node runs; their blocks, whatever their shape,
+    neither refuse the assignment nor reach a plan."""
+    model = {"name": "m", "vllm": ENGINE_MODEL, "sglang": {"source": 7, "tiers": "no"}, "llamacpp": None}
+    message = protocol.parse_from_coordinator(json.dumps({"type": "assign", "assignment_id": "a", "model": model}))
+    assert isinstance(message, protocol.Assign)
+    assert message.model == protocol.ModelSpec(name="m", vllm=protocol.EngineModel.model_validate(ENGINE_MODEL))
+    assert message.model.for_engine("sglang") is None and message.model.for_engine("llamacpp") is None
+    assert set(json.loads(protocol.encode(message))["model"]) == {"name", "vllm"}
+
+
 @pytest.mark.parametrize("frame, fragment", [
     ("not json", "not valid JSON"),
     ("[1, 2]", "one JSON object"),

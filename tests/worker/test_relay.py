@@ -11,15 +11,8 @@ import pytest
 
 from tests.support.fake_engine import Behaviour, FakeEngine
 from worker import protocol
-from worker.relay import (
-    MAX_BODY_DEPTH,
-    EngineTarget,
-    Relay,
-    RelayHooks,
-    StreamFilter,
-    engine_http_client,
-    media_by_url,
-)
+from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
+from worker.relay_body import MAX_BODY_DEPTH, StreamFilter, media_by_url
 
 CHAT = "/v1/chat/completions"
 TERMINAL = (protocol.ResponseEnd, protocol.ResponseError)
@@ -51,16 +44,12 @@ class Wire:
 class Recorder(RelayHooks):
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.chunks = 0
 
     def on_start(self, request_id: str, engine_id: str, t: float) -> None:
         self.calls.append(("start", request_id, engine_id))
 
     def on_first_token(self, request_id: str, t: float) -> None:
         self.calls.append(("first", request_id))
-
-    def on_chunk(self, engine_id: str) -> None:
-        self.chunks += 1
 
     def on_end(self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool) -> None:
         self.calls.append(("end", request_id, engine_id, usage, ok))
@@ -347,14 +336,24 @@ async def test_requests_go_to_the_least_loaded_engine(http) -> None:
         assert relay.in_flight_by_engine() == {}
 
 
-async def test_hooks_see_start_first_token_progress_and_end(engine, http) -> None:
+async def test_hooks_see_start_first_token_and_end(engine, http) -> None:
     hooks = Recorder()
     await make_relay(Wire(), http, engine, hooks=hooks).handle(request())
     assert hooks.calls == [
         ("start", "r-1", "e0"), ("first", "r-1"),
         ("end", "r-1", "e0", protocol.Usage(prompt_tokens=9, completion_tokens=16), True),
     ]
-    assert hooks.chunks >= 1
+
+
+
+async def test_only_generations_reach_the_hooks(engine, http) -> None:
+    """The relay decides what is metered (and paid): a POST to a completions path, nothing else."""
+    wire, hooks = Wire(), Recorder()
+    relay = make_relay(wire, http, engine, hooks=hooks)
+    await relay.handle(protocol.Request(id="m", method="GET", path="/v1/models"))
+    await relay.handle(request("c", path="/v1/completions", stream=False, prompt="hi"))
+    assert wire.terminals("m") == [protocol.ResponseEnd(id="m")]
+    assert [call[:2] for call in hooks.calls] == [("start", "c"), ("first", "c"), ("end", "c")]
 
 
 async def test_a_duplicate_request_id_gets_an_error_and_the_first_goes_on(engine, http) -> None:

@@ -1,4 +1,5 @@
-"""The supervisor's decisions (pure) and what it reads from recorded engine logs."""
+"""The supervisor: what it reads from recorded engine logs, its sockets and private folder, and
+the fresh memory reading the node gives it. Its decisions are tested in `test_restart_policy.py`."""
 
 from __future__ import annotations
 
@@ -14,104 +15,25 @@ import pytest
 
 from tests.support.fake_engine import FakeEngine
 from worker.config import Paths, Settings, private_dir
-from worker.engines.base import ContextTooLong
 from worker.hardware import Gpu, Machine, ReplaySource
 from worker.node import Node
 from worker.plan import EnginePlan
+from worker.restart_policy import SupervisorTiming
 from worker.supervise import (
     SOCKET_PATH_MAX_BYTES,
-    Backoff,
-    Ended,
     EngineSupervisor,
-    Step,
-    SupervisorTiming,
     Target,
-    context_refusal,
     engine_home,
-    next_step,
     socket_path_for,
-    start_options,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-TIMING = SupervisorTiming(max_fast_failures=3)
-BACKOFF = Backoff()
 
 
 def plan(engine: str = "vllm", *, tier: str | None = "40000", fallbacks: tuple = ()) -> EnginePlan:
     return EnginePlan(engine_id="e0", engine=engine, gpu_indices=(0,), layout="single", memory_mib=48000, tier=tier,
                       args=("--a", "40"), fallbacks=fallbacks, port=18100, env={}, executable=("vllm",),
                       model="/m", served_name="m")
-
-
-def step(ended: Ended, *, option: int = 0, options: int = 1, fast: int = 1):
-    return next_step(ended, option=option, options=options, fast_failures=fast, tier="40000", next_tier="24000",
-                     timing=TIMING, backoff=BACKOFF)
-
-
-def test_backoff_doubles_from_two_seconds_to_five_minutes() -> None:
-    assert [Backoff().delay(n) for n in (1, 2, 3, 4, 8, 9, 30)] == [2, 4, 8, 16, 256, 300, 300]
-
-
-def test_start_options_are_the_plan_then_the_next_tier_then_base() -> None:
-    fallbacks = (("24000", ("--a", "24")), ("16000", ("--a", "16")), (None, ()))
-    assert start_options(plan(fallbacks=fallbacks)) == (("40000", ("--a", "40")), ("24000", ("--a", "24")), (None, ()))
-    assert start_options(plan(fallbacks=((None, ()),))) == (("40000", ("--a", "40")), (None, ()))
-    assert start_options(plan(tier=None)) == ((None, ("--a", "40")),)
-
-
-def test_out_of_memory_at_start_falls_back_then_fails() -> None:
-    oom = Ended("oom", "CUDA out of memory", 3.0, was_ready=False)
-    fallback = step(oom, option=0, options=3)
-    assert fallback.action == "fallback" and fallback.delay_s == 0
-    assert fallback.reason == "out of memory while starting on tier 40000; retrying on tier 24000"
-    last = step(oom, option=2, options=3)
-    assert last.action == "fail" and "CUDA out of memory" in last.reason and "Free GPU memory" in last.reason
-
-
-def test_out_of_memory_after_serving_is_a_crash_not_a_fallback() -> None:
-    later = step(Ended("oom", "CUDA out of memory", 600.0, was_ready=True), option=0, options=3)
-    assert later.action == "retry"
-
-
-def test_crashes_restart_with_backoff_until_too_many_fast_ones() -> None:
-    crash = Ended("crashed", "the engine exited with status 1", 1.0, was_ready=False)
-    assert [(s.action, s.delay_s) for s in (step(crash, fast=1), step(crash, fast=2))] == [("retry", 2), ("retry", 4)]
-    given_up = step(crash, fast=3)
-    assert given_up.action == "fail" and "3 times in a row" in given_up.reason and "status 1" in given_up.reason
-
-
-def test_refusals_fail_at_once_when_no_lower_option_is_left() -> None:
-    refusal = context_refusal(ContextTooLong(131072, 34480))
-    assert "131072" in refusal and "34480" in refusal and "--max-model-len" in refusal
-    assert step(Ended("context", refusal, 1.0, False)) == Step("fail", refusal)
-    assert step(Ended("unstartable", "Could not start vllm", 0.0, False)).action == "fail"
-
-
-def test_a_context_too_big_for_the_kv_cache_falls_back_a_tier_like_out_of_memory() -> None:
-    refusal = context_refusal(ContextTooLong(65536, 34480))
-    fallback = step(Ended("context", refusal, 40.0, was_ready=False), option=0, options=3)
-    assert fallback.action == "fallback" and fallback.delay_s == 0
-    assert fallback.reason == "the KV cache cannot hold the context on tier 40000; retrying on tier 24000"
-    assert step(Ended("context", refusal, 40.0, was_ready=False), option=2, options=3) == Step("fail", refusal)
-
-
-FREE_MEMORY_REFUSAL = ("ValueError: Free memory on device cuda:0 (11.20/23.52 GiB) on startup is less than desired "
-                       "GPU memory utilization (0.9, 21.17 GiB).")
-
-
-def test_a_free_memory_refusal_waits_on_the_same_tier_longer_each_time_up_to_a_minute() -> None:
-    short = Ended("free_memory", FREE_MEMORY_REFUSAL, 9.0, was_ready=False)
-    steps = [next_step(short, option=0, options=3, fast_failures=n, tier="40000", next_tier="24000", timing=TIMING,
-                       backoff=BACKOFF, memory_waits=n) for n in (1, 2, 3, 6, 7, 40)]
-    assert [(s.action, s.delay_s) for s in steps] == [("wait", 2), ("wait", 4), ("wait", 8), ("wait", 60),
-                                                     ("wait", 60), ("wait", 60)]
-    assert steps[0].reason == "Another program is using the GPU's memory; waiting for it to free up"
-
-
-def test_context_refusal_without_an_estimate_still_says_what_to_do() -> None:
-    refusal = context_refusal(ContextTooLong(131072, None))
-    assert "131072" in refusal and "Lower --max-model-len, or free GPU memory" in refusal
 
 
 @pytest.mark.parametrize(("fixture", "tokens", "gib", "concurrency", "requested"), [

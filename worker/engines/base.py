@@ -1,17 +1,24 @@
 """What every engine adapter shares: typed log facts, endpoints, and argument helpers.
 
-Pure. Each engine module (`vllm.py`, `llamacpp.py`) exposes the same functions and constants;
-`EngineAdapter` is that shape, so `plan` and the supervisor never branch on the engine's name.
+Pure. Each engine package (`vllm/`, `llamacpp/`) exposes the same functions and constants;
+`EngineAdapter` is that shape, so no module outside an engine's own package branches on its name.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence, Union
 
 from worker.engines.allowlist import Allowlist
-from worker.events import StartPhase
+from worker.events import EngineSnapshot, StartPhase
+
+if TYPE_CHECKING:  # the hardware and provision packages import the engines, never the other way
+    from worker.engines.layout import Unit
+    from worker.hardware.installed import VersionRunner
+    from worker.hardware.model import EngineInstall, Machine
+    from worker.provision.releases import Releases
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 MASK = "***"
@@ -142,13 +149,26 @@ class Endpoint:
     needs_api_key: bool
 
 
-class EngineAdapter(Protocol):
-    """The functions and constants every engine module provides."""
+ModelFormat = Literal["folder", "gguf"]  # a model folder (config.json) or Hugging Face repo; one GGUF file
+SeriesLabels = Callable[[str], list[Mapping[str, str]]]  # the label sets of one /metrics family, by name
 
-    NAME: str
+
+class EngineAdapter(Protocol):
+    """What every engine package provides: how it is started and read, where it runs, how it lays
+    out GPUs, what its /metrics and log say, and how it is found and provisioned."""
+
+    NAME: str  # the engine's key on the wire (`assign.model.<NAME>`) and in `hello.engines`
+    DISPLAY_NAME: str  # for people: "vLLM"
+    ARGS_TITLE: str  # its heading in docs/engine-args.md
+    RUNTIMES: frozenset[str]  # the machine runtimes (`protocol.Runtime`) it serves
+    MODEL_FORMAT: ModelFormat
+    MEMORY_SHARE: bool  # told the share of each card it may use (`EnginePlan.memory_utilization`)
     DEFAULT_EXECUTABLE: tuple[str, ...]
     ENDPOINTS: Mapping[str, Endpoint]
     ALLOWED_ARGS: Allowlist
+    METRICS_PREFIX: str  # every series of its /metrics starts so (tells an unnamed page's engine)
+    METRIC_NAMES: Mapping[str, tuple[str, ...]]  # `EngineMetrics` quantity → series names, newest first
+    READY_READS: tuple[str, ...]  # paths read once ready, for `ready_snapshot`
 
     def command(
         self,
@@ -170,6 +190,36 @@ class EngineAdapter(Protocol):
     def mask_argv(self, argv: Sequence[str]) -> list[str]: ...
 
     def parse_line(self, line: str) -> LogFact | None: ...
+
+    def units(self, machine: Machine, weights_mib: int, cap: float | None) -> list[Unit] | str:
+        """The engine processes for a model of `weights_mib` (judged under the memory `cap`), or
+        why this machine can run none at all."""
+
+    def capacity(self, machine: Machine, cap: float | None) -> str:
+        """What the best process here could use, for the refusal of a model that fits nowhere."""
+
+    def runtime_environment(self, machine: Machine, version: str | None) -> dict[str, str]:
+        """What the engine needs set on this runtime, at this version (the assignment's or None)."""
+
+    def tier_warning(self, machine: Machine, gpu_indices: Sequence[int], tier: str | None, args: Sequence[str],
+                     base_args: Sequence[str]) -> str | None:
+        """A warning to log for a tier that starts but is known to run badly, or None."""
+
+    def derive_metrics(self, values: dict[str, float | None], labels: SeriesLabels) -> dict[str, float | None]:
+        """The quantities read through `METRIC_NAMES`, completed from what only this engine exports."""
+
+    def ready_snapshot(self, reads: Mapping[str, Any], snapshot: EngineSnapshot,
+                       slots: Slots | None) -> EngineSnapshot:
+        """The snapshot completed from the `READY_READS` documents (path → JSON) once ready."""
+
+    def find_installed(self, system: str, where: str | None, run: VersionRunner) -> EngineInstall:
+        """The install on this machine (at `where`, from `--engine-bin`, when given)."""
+
+    def shipped_versions(self, releases: Releases) -> tuple[str, ...]:
+        """The versions this app may install and run, newest (the default) first."""
+
+    def normalise_version(self, version: str) -> str:
+        """An assignment's `engine_version` as `shipped_versions` spells it."""
 
 
 def clean_line(line: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.hardware.detect import build_machine, detect, group_gpus, runs_vllm, usable_mib
+from worker.hardware.detect import build_machine, detect, group_gpus, usable_mib
 from worker.hardware.host import AppleFacts, HostFacts, read_host
 from worker.hardware.model import EngineInstall, Gpu, GpuGroup, Machine
 from worker.hardware.nvml import (
@@ -36,7 +36,6 @@ __all__ = [
     "group_gpus",
     "load_reading",
     "read_host",
-    "runs_vllm",
     "sample_gpus",
     "usable_mib",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 from worker.config import Settings
+from worker.engines.vllm import serves_group as runs_vllm  # the runtime is named for where vLLM runs
 from worker.hardware.host import HostFacts, read_host
 from worker.hardware.installed import VersionRunner, find_engines, run_for_version
 from worker.hardware.model import EngineInstall, Gpu, GpuGroup, Machine
@@ -16,8 +17,6 @@ from worker.hardware.nvml import GpuReading, NvidiaReading, NvmlSource, PynvmlSo
 
 if TYPE_CHECKING:
     from worker.protocol import Runtime
-
-VLLM_MIN_COMPUTE_CAPABILITY = (7, 5)
 
 
 def usable_mib(free_mib: int, settings: Settings) -> int:
@@ -145,13 +144,6 @@ def _group(members: list[Gpu]) -> GpuGroup:
         peer_to_peer=peer_to_peer,
         compute_capability=members[0].compute_capability,
     )
-
-
-def runs_vllm(group: GpuGroup) -> bool:
-    if not group.compute_capability:
-        return False
-    major, _, minor = group.compute_capability.partition(".")
-    return (int(major), int(minor or 0)) >= VLLM_MIN_COMPUTE_CAPABILITY
 
 
 def _runtime(facts: HostFacts, groups: tuple[GpuGroup, ...], engines: dict[str, EngineInstall]) -> Runtime:

@@ -2,7 +2,8 @@
 
 Fast on the common path: importlib metadata and `shutil.which` first; a subprocess (bounded by a
 timeout) only for an engine binary that is actually there, or for the WSL2 probe on Windows.
-`engine_bins` (from `--engine-bin NAME=PATH`) says where to look instead.
+`engine_bins` (from `--engine-bin NAME=PATH`) says where to look instead. Each registered engine's
+adapter (`find_installed`) picks its finder here.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Mapping
 
+from worker.engines import registry
 from worker.engines.base import child_environment
 from worker.hardware.model import EngineInstall
 
-ENGINE_NAMES = ("vllm", "llamacpp")
 VersionRunner = Callable[[list[str], float, Mapping[str, str] | None], str | None]
 
 _VLLM_DIST_INFO = re.compile(r"^vllm-(\d[^-]*)\.dist-info$")
@@ -47,11 +48,10 @@ def find_engines(
     engine_bins: Mapping[str, str] | None = None,
     run: VersionRunner = run_for_version,
 ) -> dict[str, EngineInstall]:
+    """Every registered engine, found or not (`version` None), by name."""
     bins = engine_bins or {}
-    return {
-        "vllm": find_vllm(system, bins.get("vllm"), run),
-        "llamacpp": find_llama_server(bins.get("llamacpp"), run),
-    }
+    return {adapter.NAME: adapter.find_installed(system, bins.get(adapter.NAME), run)
+            for adapter in registry.adapters()}
 
 
 def find_vllm(system: str, where: str | None, run: VersionRunner) -> EngineInstall:

@@ -38,6 +38,7 @@ def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int
     from a thread). A URL carries its hash as `URL#sha256=HEX`: downloads are always verified."""
     text = model or DEFAULT_LOCAL_MODEL
     text, sha256 = _split_hash(text)
+    text = typed_path(text)
     try:
         source = parse_source(text)
     except BadSource as exc:
@@ -63,6 +64,18 @@ def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int
         return protocol.Assign(assignment_id=LOCAL_ASSIGNMENT_ID, model=protocol.ModelSpec(name=name, llamacpp=spec))
     spec = protocol.EngineModel(source=source.value, weights_mib=size, base_args=_VLLM_ARGS)
     return protocol.Assign(assignment_id=LOCAL_ASSIGNMENT_ID, model=protocol.ModelSpec(name=name, vllm=spec))
+
+
+def typed_path(text: str) -> str:
+    """A path as people type it (`models/x.gguf`, `./m`, `~/m.gguf`) made absolute against the
+    working directory; a URL, an absolute path or a repo id (`org/name`, not on disk) unchanged."""
+    if "://" in text or Path(text).is_absolute():
+        return text
+    candidate = Path(text).expanduser()
+    typed_as_path = text.startswith(("./", "../", "~", ".\\", "..\\")) or text.lower().endswith(".gguf")
+    if typed_as_path or candidate.exists():
+        return str(candidate.resolve())
+    return text
 
 
 def _split_hash(text: str) -> tuple[str, str | None]:

@@ -16,12 +16,14 @@ from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import Literal
 
 import httpx
 
 from worker.config import Paths
+from worker.engines import registry
+from worker.engines.llamacpp import normalise_version as normalise_build
 from worker.events import Problem
+from worker.hardware import Machine
 from worker.provision.download import Downloader
 from worker.provision.errors import ProvisionError
 from worker.provision.llamacpp_install import (
@@ -34,7 +36,7 @@ from worker.provision.llamacpp_install import (
     this_machine,
 )
 from worker.provision.progress import ProgressCallback
-from worker.provision.releases import SHIPPED, Releases, normalise_build, version_problem
+from worker.provision.releases import SHIPPED, Releases, version_problem
 from worker.provision.vllm_install import (
     MARKER,
     VenvPlace,
@@ -44,7 +46,6 @@ from worker.provision.vllm_install import (
     wsl_place,
 )
 
-_ENGINE_FOLDER = re.compile(r"^(vllm|llamacpp)-")
 _SERVER_NAMES = ("llama-server", "llama-server.exe")
 _BUILD = re.compile(r"b\d+")
 
@@ -60,7 +61,7 @@ class EngineInstall:
 
 
 async def ensure_engine(
-    engine: Literal["vllm", "llamacpp"],
+    engine: str,
     version: str | None,
     paths: Paths,
     on_progress: ProgressCallback,
@@ -78,7 +79,8 @@ async def ensure_engine(
 ) -> EngineInstall:
     """Find or install `engine` at `version` (None: the newest installed, else the default); raises `ProvisionError`.
 
-    Only versions in `releases` (what this app ships with) are found or installed. vLLM:
+    Only versions in `releases` (what this app ships with) are found or installed, and only the
+    engines this app has an installer for (an engine without one runs from `--engine-bin`). vLLM:
     `index_url`/`find_links` choose where pip looks (a folder of wheels offline), and on Windows
     (`use_wsl` None means "when on Windows") it goes inside WSL2. llama.cpp: the pinned release
     assets for this platform and `accelerator`, downloaded with `downloader` (one is made if not given).
@@ -91,9 +93,11 @@ async def ensure_engine(
         return await _ensure_vllm(
             version, paths, on_progress, index_url, find_links, cuda_driver, python, wsl, wsl_distro, releases
         )
-    return await _ensure_llamacpp(
-        version, paths, on_progress, accelerator, cuda_driver, downloader, release_api, releases
-    )
+    if engine == "llamacpp":
+        return await _ensure_llamacpp(
+            version, paths, on_progress, accelerator, cuda_driver, downloader, release_api, releases
+        )
+    raise ProvisionError(_no_installer(engine))
 
 
 async def _ensure_vllm(
@@ -168,6 +172,15 @@ def _none_shipped(name: str) -> Problem:
     )
 
 
+def _no_installer(engine: str) -> Problem:
+    name = registry.display_name(engine)
+    return Problem(
+        f"{name} is not installed",
+        f"This app cannot install {name}. Install it, and start the app with --engine-bin {engine}=PATH.",
+        action="settings",
+    )
+
+
 def _installed_llamacpp(location: Path, build: str) -> EngineInstall | None:
     servers = [p for p in location.rglob("*") if p.name in _SERVER_NAMES] if location.is_dir() else []
     if not servers:
@@ -198,7 +211,7 @@ async def remove_unused(paths: Paths, keep: Collection[EngineInstall]) -> list[P
     def sweep() -> list[Path]:
         removed = []
         for folder in sorted(paths.engines_dir.glob("*")) if paths.engines_dir.is_dir() else ():
-            if _ENGINE_FOLDER.match(folder.name) and folder not in kept:
+            if _engine_folder(folder.name) and folder not in kept:
                 if folder.is_dir():
                     shutil.rmtree(folder, ignore_errors=True)
                 else:
@@ -207,3 +220,33 @@ async def remove_unused(paths: Paths, keep: Collection[EngineInstall]) -> list[P
         return removed
 
     return await asyncio.to_thread(sweep)
+
+
+def _engine_folder(name: str) -> bool:
+    """`vllm-0.33.0`, `llamacpp-b6500`: a folder named for a registered engine and a version."""
+    return any(name.startswith(f"{engine}-") for engine in registry.names())
+
+
+# --- what an install needs from the machine, and what its process needs -------------------------
+
+
+def accelerator_of(machine: Machine) -> Accelerator:
+    """The llama.cpp build this machine runs: Metal on Apple silicon, CUDA with an NVIDIA card."""
+    if machine.runtime == "apple-silicon":
+        return "metal"
+    return "cuda" if machine.gpus else "cpu"
+
+
+def cuda_version(text: str | None) -> tuple[int, int] | None:
+    """The driver's CUDA version as detected ("12.8", "13") → (12, 8), (13, 0); None otherwise."""
+    major, _, minor = (text or "").partition(".")
+    return (int(major), int(minor or 0)) if major.isdigit() and (minor or "0").isdigit() else None
+
+
+def library_env(folder: Path) -> dict[str, str]:
+    """Engines shipped with their shared libraries beside them find them through the loader path."""
+    if not any(folder.glob("*.so*")) and not any(folder.glob("*.dylib")):
+        return {}
+    name = "DYLD_LIBRARY_PATH" if os.uname().sysname == "Darwin" else "LD_LIBRARY_PATH"
+    existing = os.environ.get(name)
+    return {name: f"{folder}{os.pathsep}{existing}" if existing else str(folder)}

@@ -2,10 +2,10 @@
 
 A Hugging Face repo goes through huggingface_hub into the app's model cache; an https GGUF
 through the resumable downloader, saved under the app's own name (its sha256); an absolute local
-path is checked where it is — a GGUF file for llama.cpp, a folder with config.json for vLLM, never
-a device or other special file, and no error ever quotes what a file holds. A download may bring
-at most the assignment's `weights_mib` plus 10 %, and never more than the cache limit. Cached
-downloads are tracked in the cache index, and the least recently used are evicted when the cache
+path is checked where it is — a GGUF file for an engine that loads one (llama.cpp), a folder with
+config.json for one that loads a model folder (vLLM), never a device or other special file, and no
+error ever quotes what a file holds. A download may bring at most the assignment's `weights_mib`
+plus 10 %, and never more than the cache limit. Cached downloads are tracked in the cache index, and the least recently used are evicted when the cache
 grows past the user's limit — never a model in use.
 """
 
@@ -26,6 +26,7 @@ import httpx
 from worker import protocol
 from worker.config import Paths, Settings
 from worker.download import SPACE_MARGIN_BYTES, FreeBytes, disk_free
+from worker.engines import EngineAdapter, registry
 from worker.events import Problem
 from worker.provision.cache import ModelCache
 from worker.provision.download import Downloader, SizeCap, fetch, verify_sha256
@@ -33,7 +34,6 @@ from worker.provision.errors import ProvisionError, human_bytes
 from worker.provision.progress import ProgressCallback
 from worker.provision.sources import BadSource, ModelSource, check_source, under_system_folder
 
-EngineKind = Literal["vllm", "llamacpp"]
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 GGUF_MAGIC = b"GGUF"
@@ -57,7 +57,7 @@ def model_cache_root(paths: Paths, settings: Settings) -> Path:
 
 async def ensure_model(
     engine_model: protocol.EngineModel,
-    engine: EngineKind,
+    engine: str,
     paths: Paths,
     settings: Settings,
     on_progress: ProgressCallback,
@@ -72,8 +72,9 @@ async def ensure_model(
     `revision` instead. Progress events go to `on_progress` on the calling loop.
     """
     source = _checked(engine_model, engine)
+    adapter = registry.get(engine)
     if source.kind == "local":
-        return await _local_model(Path(source.value), source.sha256, engine)
+        return await _local_model(Path(source.value), source.sha256, adapter)
     cache = ModelCache(model_cache_root(paths, settings))
     limit = int(settings.model_cache_limit_gib * GIB)
     cap = size_cap(engine_model.weights_mib, limit)
@@ -81,7 +82,7 @@ async def ensure_model(
         path = await _https_model(source, engine_model, cache, limit, cap, on_progress, http, options)
     else:
         path = await _hf_model(
-            source, engine_model, engine, cache, limit, cap, on_progress, hf_endpoint, options
+            source, engine_model, adapter, cache, limit, cap, on_progress, hf_endpoint, options
         )
     await asyncio.to_thread(cache.evict, limit, in_use=(*options.in_use, path))
     return path
@@ -116,7 +117,7 @@ def size_cap(weights_mib: int, limit_bytes: int) -> SizeCap:
     )
 
 
-def _checked(engine_model: protocol.EngineModel, engine: EngineKind) -> ModelSource:
+def _checked(engine_model: protocol.EngineModel, engine: str) -> ModelSource:
     try:
         return check_source(engine_model.source, engine_model.sha256, engine)
     except BadSource as exc:
@@ -170,7 +171,7 @@ async def _client(http: httpx.AsyncClient | None) -> AsyncIterator[httpx.AsyncCl
 async def _hf_model(
     source: ModelSource,
     engine_model: protocol.EngineModel,
-    engine: EngineKind,
+    adapter: EngineAdapter,
     cache: ModelCache,
     limit: int,
     cap: SizeCap,
@@ -185,7 +186,7 @@ async def _hf_model(
         revision=engine_model.revision,
         cache_dir=cache.root / "hf",
         endpoint=hf_endpoint,
-        allow_patterns=("*.gguf",) if engine == "llamacpp" else None,
+        allow_patterns=("*.gguf",) if adapter.MODEL_FORMAT == "gguf" else None,
     )
     key = f"hf:{source.value}"
     cached = await asyncio.to_thread(cache.get, key)
@@ -201,11 +202,13 @@ async def _hf_model(
         cap=cap,
     )
     await asyncio.to_thread(cache.put, key, request.storage)
-    return _gguf_in(snapshot, source.value, recursive=True) if engine == "llamacpp" else snapshot
+    if adapter.MODEL_FORMAT == "gguf":
+        return _gguf_in(snapshot, source.value, adapter.DISPLAY_NAME, recursive=True)
+    return snapshot
 
 
-async def _local_model(path: Path, sha256: str | None, engine: EngineKind) -> Path:
-    """The model at `path` if it is one for `engine`; never reads a device, FIFO or non-model file."""
+async def _local_model(path: Path, sha256: str | None, adapter: EngineAdapter) -> Path:
+    """The model at `path` if it is one for the engine; never reads a device, FIFO or non-model file."""
     kind = await asyncio.to_thread(_local_kind, path)
     if sha256 and kind == "folder":
         raise ProvisionError(
@@ -213,13 +216,14 @@ async def _local_model(path: Path, sha256: str | None, engine: EngineKind) -> Pa
                 "Model source not usable", f"{path} is a folder; a sha256 can only be checked for one file."
             )
         )
-    if engine == "vllm":
+    if adapter.MODEL_FORMAT == "folder":
         if kind != "folder" or not await asyncio.to_thread(_is_regular_file, path / "config.json"):
             raise ProvisionError(
-                _not_a_model(f"{path} is not a model folder with a config.json in it, as vLLM needs")
+                _not_a_model(f"{path} is not a model folder with a config.json in it, as {adapter.DISPLAY_NAME} needs")
             )
         return path
-    model = path if kind == "file" else await asyncio.to_thread(_gguf_in, path, str(path), recursive=False)
+    model = path if kind == "file" else await asyncio.to_thread(
+        _gguf_in, path, str(path), adapter.DISPLAY_NAME, recursive=False)
     if not await asyncio.to_thread(_starts_with_gguf_magic, model):
         raise ProvisionError(
             _not_a_model(f"{model} is not a GGUF model file (it does not start with the GGUF signature)")
@@ -282,18 +286,17 @@ def _starts_with_gguf_magic(path: Path) -> bool:
         os.close(fd)
 
 
+_FORMAT_WORDS = {"gguf": "a GGUF file", "folder": "a model folder with config.json"}
+
+
 def _not_a_model(what_it_is: str) -> Problem:
     """The refusal names the path and what was expected — never what the file holds."""
-    return Problem(
-        "Model source not usable",
-        f"{what_it_is}. Give the path of a GGUF file for llama.cpp, or of a model folder with config.json "
-        "for vLLM.",
-        action="settings",
-    )
+    wanted = ", or of ".join(f"{_FORMAT_WORDS[a.MODEL_FORMAT]} for {a.DISPLAY_NAME}" for a in registry.adapters())
+    return Problem("Model source not usable", f"{what_it_is}. Give the path of {wanted}.", action="settings")
 
 
-def _gguf_in(folder: Path, name: str, *, recursive: bool) -> Path:
-    """The one GGUF file llama.cpp loads from a folder (the first shard of a split model).
+def _gguf_in(folder: Path, name: str, engine_name: str, *, recursive: bool) -> Path:
+    """The one GGUF file a GGUF engine loads from a folder (the first shard of a split model).
 
     A downloaded repo is searched through; a local folder only at its top, so a path such as `/`
     never sets off a walk of the whole disk.
@@ -309,6 +312,6 @@ def _gguf_in(folder: Path, name: str, *, recursive: bool) -> Path:
     raise ProvisionError(
         Problem(
             "Model source not usable",
-            f"{name} has {reason}; llama.cpp needs exactly one. Name the file with its https:// URL instead.",
+            f"{name} has {reason}; {engine_name} needs exactly one. Name the file with its https:// URL instead.",
         )
     )

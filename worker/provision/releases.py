@@ -16,6 +16,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from worker.engines import registry
+from worker.engines.llamacpp import build_number
+
 DEFAULT_VLLM_VERSION = "0.33.0"
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 
@@ -42,7 +45,7 @@ class Releases:
     @property
     def default_llamacpp(self) -> str | None:
         """The newest pinned build, used when an assignment names none."""
-        return max(self.llamacpp, key=_build_number, default=None)
+        return max(self.llamacpp, key=build_number, default=None)
 
 
 SHIPPED = Releases(
@@ -75,36 +78,21 @@ SHIPPED = Releases(
 )
 
 
-def normalise_build(version: str) -> str:
-    """ "10423" and "b10423" both name llama.cpp build b10423."""
-    return version if version.startswith("b") else f"b{version}"
-
-
 def version_problem(engine: str, version: str | None, releases: Releases = SHIPPED) -> str | None:
     """Why `engine` at `version` may not be used, or None (no version: the app's default; or a listed one)."""
     if version is None:
         return None
     if not _VERSION.fullmatch(version):
         return f"engine version {version!r} is not a version number"
-    if engine == "vllm":
-        listed = releases.vllm
-        if version in listed:
-            return None
-        name = "vLLM"
-    elif engine == "llamacpp":
-        listed = tuple(sorted(releases.llamacpp, key=_build_number, reverse=True))
-        if normalise_build(version) in releases.llamacpp:
-            return None
-        name = "llama.cpp"
-    else:
-        return f"engine {engine!r} is not one this app runs (vllm, llamacpp)"
+    if engine not in registry.names():
+        return registry.refusal(engine)
+    adapter = registry.get(engine)
+    listed = adapter.shipped_versions(releases)
+    if adapter.normalise_version(version) in listed:
+        return None
+    name = adapter.DISPLAY_NAME
     shipped = ", ".join(listed) or "none"
     return (
         f"{name} version {version} is not one this app ships with ({shipped}); "
         f"update the app, or ask the network for {name} {listed[0] if listed else 'another engine'}"
     )
-
-
-def _build_number(build: str) -> int:
-    digits = build.removeprefix("b")
-    return int(digits) if digits.isdigit() else -1

@@ -16,6 +16,8 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Literal
 from urllib.parse import SplitResult, unquote, urlsplit
 
+from worker.engines import registry
+
 _REPO_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?"
 _REPO_ID = re.compile(rf"^{_REPO_PART}/{_REPO_PART}$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -59,18 +61,19 @@ class BadSource(ValueError):
 def check_source(source: str, sha256: str | None, engine: str) -> ModelSource:
     """The source `engine` is to load, or `BadSource` saying why it is refused.
 
-    On top of `parse_source`: an https URL must come with its sha256, and vLLM takes a model
-    folder or a Hugging Face repo, not a single GGUF file.
+    On top of `parse_source`: an https URL must come with its sha256, and an engine that loads a
+    model folder (vLLM) takes a folder or a Hugging Face repo, not a single GGUF file.
     """
-    if engine not in ("vllm", "llamacpp"):
-        raise BadSource(f"engine {engine!r} is not one this app runs (vllm, llamacpp)")
+    if engine not in registry.names():
+        raise BadSource(registry.refusal(engine))
+    adapter = registry.get(engine)
     parsed = parse_source(source)
     digest = _digest(sha256)
     if parsed.kind == "https":
-        if engine == "vllm":
+        if adapter.MODEL_FORMAT == "folder":
             raise BadSource(
-                f"model source {_shown(source)} is a single GGUF file; vLLM needs a Hugging Face repo id "
-                "(org/name) or a model folder"
+                f"model source {_shown(source)} is a single GGUF file; {adapter.DISPLAY_NAME} needs a Hugging Face "
+                "repo id (org/name) or a model folder"
             )
         if digest is None:
             raise BadSource(

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import LlamaServer
-from worker.engines import args_markdown, llamacpp_args, published_args, vllm_args
+from worker.engines import args_markdown, published_args
+from worker.engines.llamacpp import args as llamacpp_args
+from worker.engines.vllm import args as vllm_args
 from worker.engines.allowlist import (
     AllowedFlag,
     Allowlist,

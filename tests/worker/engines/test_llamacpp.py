@@ -94,8 +94,8 @@ def test_command():
 def test_command_on_a_unix_socket():
     argv = llamacpp.command(["llama-server"], "/m.gguf", [], port=18101, api_key="k-9", served_name="qwen",
                             socket_path="/run/engines/e0.sock")
-    assert argv == ["llama-server", "-m", "/m.gguf", "--fit", "off", "--host", "/run/engines/e0.sock", "--alias", "qwen",
-                    "--metrics"]
+    assert argv == ["llama-server", "-m", "/m.gguf", "--fit", "off", "--host", "/run/engines/e0.sock",
+                    "--alias", "qwen", "--metrics"]
 
 
 def test_a_memory_share_changes_nothing_for_llama_cpp():

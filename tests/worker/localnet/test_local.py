@@ -29,8 +29,8 @@ async def test_local_coordinator_assigns_and_serves_openai(model: Path, engine: 
                                                            http: httpx.AsyncClient) -> None:
     local = await LocalCoordinator(token=TOKEN, machine=_Machine(), model=str(model), openai_port=0).start()
     try:
-        assert local.assignment is not None and local.assignment.model.llamacpp is not None
-        assert local.assignment.model.llamacpp.source == str(model)
+        assert local.assignment is not None and local.assignment.model.for_engine("llamacpp") is not None
+        assert local.assignment.model.for_engine("llamacpp").source == str(model)
         node = MiniNode(local.ws_url, engine, http)
         task = asyncio.create_task(node.link.run())
         await local.coordinator.wait_for_connections(1)

@@ -14,24 +14,26 @@ def test_local_assignment_for_a_gguf_file_uses_llamacpp_and_its_size(tmp_path: P
     model.write_bytes(b"\0" * (3 * 2**20))
     assign = local_assignment("cpu", str(model))
     assert assign.model.name == "tiny-chat-q4_k_m"
-    assert assign.model.vllm is None
-    assert assign.model.llamacpp is not None
-    assert (assign.model.llamacpp.source, assign.model.llamacpp.weights_mib) == (str(model), 3)
+    block = assign.model.for_engine("llamacpp")
+    assert assign.model.for_engine("vllm") is None and block is not None
+    assert (block.source, block.weights_mib) == (str(model), 3)
 
 
 def test_local_assignment_of_a_model_folder_counts_only_weights(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\0" * (2 * 2**20))
     (tmp_path / "notes.txt").write_bytes(b"\0" * (5 * 2**20))
     assign = local_assignment("native", str(tmp_path))
-    assert assign.model.vllm is not None and assign.model.vllm.weights_mib == 2
+    block = assign.model.for_engine("vllm")
+    assert block is not None and block.weights_mib == 2
 
 
 def test_local_assignment_default_is_a_small_instruct_gguf() -> None:
     assign = local_assignment("cpu")
-    assert assign.model.llamacpp is not None
-    assert f"{assign.model.llamacpp.source}#sha256={assign.model.llamacpp.sha256}" == DEFAULT_LOCAL_MODEL
+    block = assign.model.for_engine("llamacpp")
+    assert block is not None
+    assert f"{block.source}#sha256={block.sha256}" == DEFAULT_LOCAL_MODEL
     assert assign.model.name == "qwen2.5-0.5b-instruct-q4_k_m"
-    assert 300 < assign.model.llamacpp.weights_mib < 1000
+    assert 300 < block.weights_mib < 1000
 
 
 def test_local_assignment_of_a_url_needs_its_hash() -> None:
@@ -41,14 +43,16 @@ def test_local_assignment_of_a_url_needs_its_hash() -> None:
     with pytest.raises(LocalModelError, match="not a sha256"):
         local_assignment("cpu", url + "#sha256=abc")
     assign = local_assignment("cpu", url + "#sha256=" + "AB" * 32)
-    assert assign.model.llamacpp is not None and assign.model.llamacpp.sha256 == "ab" * 32
+    block = assign.model.for_engine("llamacpp")
+    assert block is not None and block.sha256 == "ab" * 32
     assert assign.model.name == "tiny-1b-q4_k_m"
 
 
 def test_local_assignment_for_a_repo_estimates_from_its_name() -> None:
     assign = local_assignment("native", "Qwen/Qwen2.5-7B-Instruct-AWQ")
-    assert assign.model.llamacpp is None
-    assert assign.model.vllm is not None and 3500 < assign.model.vllm.weights_mib < 5000
+    block = assign.model.for_engine("vllm")
+    assert assign.model.for_engine("llamacpp") is None
+    assert block is not None and 3500 < block.weights_mib < 5000
 
 
 @pytest.mark.parametrize("runtime, model, fragment", [
@@ -61,3 +65,18 @@ def test_local_assignment_for_a_repo_estimates_from_its_name() -> None:
 def test_local_assignment_refuses_with_a_reason(runtime: str, model: str, fragment: str) -> None:
     with pytest.raises(LocalModelError, match=fragment):
         local_assignment(runtime, model)
+
+
+def test_a_path_typed_relative_to_the_working_directory_is_used(tmp_path, monkeypatch) -> None:
+    """`--model .venv/demo/tiny-demo.gguf`, as people type it, was refused as neither a repo id,
+    a URL nor an absolute path."""
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "Tiny-1B-Q4_K_M.gguf").write_bytes(b"GGUF" + b"\0" * (2 * 2**20))
+    (tmp_path / "org").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for typed in ("demo/Tiny-1B-Q4_K_M.gguf", "./demo/Tiny-1B-Q4_K_M.gguf"):
+        assign = local_assignment("cpu", typed)
+        block = assign.model.for_engine("llamacpp")
+        assert block is not None and block.source == str(tmp_path / "demo" / "Tiny-1B-Q4_K_M.gguf")
+    repo = local_assignment("native", "Qwen/Qwen2.5-7B-Instruct-AWQ").model.for_engine("vllm")
+    assert repo is not None and repo.source == "Qwen/Qwen2.5-7B-Instruct-AWQ"

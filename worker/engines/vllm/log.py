@@ -1,19 +1,16 @@
-"""vLLM (`vllm serve`): its command line, environment, endpoints and the facts in its log.
+"""vLLM's log: the facts one line of its output carries.
 
-Pure. Strings and flags follow `shared/reference/engines.md` part A (0.33.0, with the older
-0.11/0.20 variants still recognised).
+Pure. Strings follow `shared/reference/engines.md` part A (0.33.0, with the older 0.11/0.20
+variants still recognised).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
 
-from worker.engines import vllm_args
 from worker.engines.base import (
     CompileFinished,
     ContextTooLong,
-    Endpoint,
     EngineVersion,
     FreeMemoryShort,
     GraphsCaptured,
@@ -29,27 +26,6 @@ from worker.engines.base import (
     StartFailed,
     StartupComplete,
     clean_line,
-    cuda_environment,
-    mask_values,
-)
-
-NAME = "vllm"
-DEFAULT_EXECUTABLE: tuple[str, ...] = ("vllm",)
-ALLOWED_ARGS = vllm_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
-
-# /health, /metrics and /version are never authenticated; every /v1 path is (A4).
-ENDPOINTS: Mapping[str, Endpoint] = {
-    "health": Endpoint("/health", needs_api_key=False),
-    "models": Endpoint("/v1/models", needs_api_key=True),
-    "metrics": Endpoint("/metrics", needs_api_key=False),
-    "version": Endpoint("/version", needs_api_key=False),
-}
-
-_SECRET_FLAGS = frozenset({"--api-key"})
-# Inherited variables that would change the API key, the log format we parse, or open dev endpoints.
-_DROPPED_ENV = frozenset(
-    {"VLLM_API_KEY", "VLLM_PORT", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING",
-     "VLLM_SERVER_DEV_MODE"}
 )
 
 _PREFIX = re.compile(
@@ -81,54 +57,6 @@ _OOM = re.compile(
 _FREE_MEMORY = re.compile(r"Free memory on device .*? on startup is less than desired GPU memory utilization")
 _FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed")
 
-
-def command(
-    executable: Sequence[str],
-    model: str,
-    args: Sequence[str],
-    *,
-    port: int,
-    api_key: str,
-    served_name: str,
-    tensor_parallel: int = 1,
-    socket_path: str | None = None,
-    memory_utilization: float | None = None,
-) -> list[str]:
-    """`vllm serve MODEL ARGS…` with the app-owned flags last, so they win over anything before.
-
-    `--gpu-memory-utilization` is the share of each card the plan measured as usable (contract,
-    Assignment rule 3): vLLM's default (0.92 of total) fails its own start-up check on a card whose
-    desktop holds more than 8 %. `--uds PATH` (a Unix socket) replaces the port where the platform
-    has one; `--host 127.0.0.1` stays either way, as vLLM's default host is every interface. The API
-    key is not here: any local user can read a command line, so it travels in the environment
-    (`environment`); `api_key` is accepted so that callers need not change."""
-    parallel = ["--tensor-parallel-size", str(tensor_parallel)] if tensor_parallel > 1 else []
-    memory = [] if memory_utilization is None else ["--gpu-memory-utilization", f"{memory_utilization:g}"]
-    listen = ["--uds", socket_path] if socket_path is not None else ["--port", str(port)]
-    return [*executable, "serve", model, *args, *parallel, *memory, "--host", "127.0.0.1", *listen,
-            "--served-model-name", served_name]
-
-
-def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
-                config_home: str | None = None) -> dict[str, str]:
-    """No usage stats, no colour, unbuffered logs, nothing inherited that changes keys or log format;
-    this run's key as `VLLM_API_KEY` (read when `--api-key` is absent), and user config read from
-    `config_home` (a folder the app owns) rather than `~/.config`."""
-    env = {k: v for k, v in cuda_environment(base, gpu_indices).items() if k not in _DROPPED_ENV}
-    env.update(
-        {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1",
-         "PYTHONUNBUFFERED": "1"}
-    )
-    if api_key is not None:
-        env["VLLM_API_KEY"] = api_key
-    if config_home is not None:
-        env["XDG_CONFIG_HOME"] = config_home
-    return env
-
-
-def mask_argv(argv: Sequence[str]) -> list[str]:
-    """The command line as shown in status and logs: `--api-key` takes one or more values (nargs +)."""
-    return mask_values(argv, _SECRET_FLAGS, many=True)
 
 
 def parse_line(line: str) -> LogFact | None:

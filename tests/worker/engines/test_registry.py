@@ -1,0 +1,169 @@
+"""The engine registry: the one list of engines. A third engine (`tests.support.toy_engine`),
+registered by the test alone, runs plan → supervise → metrics with no core module changed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import toy_engine
+from tests.worker.hardware.recorded import replay
+from worker import protocol
+from worker.cli import InputError, parse_engine_bins
+from worker.config import Paths, Settings
+from worker.engines import get_adapter, llamacpp, published_args, registry, vllm
+from worker.hardware.installed import find_engines
+from worker.metrics import parse_metrics, scrape
+from worker.plan import Plan, Refusal, plan
+from worker.provision.engine_install import ensure_engine
+from worker.provision.errors import ProvisionError
+from worker.provision.models import ensure_model
+from worker.provision.releases import version_problem
+from worker.provision.sources import BadSource, check_source
+from worker.restart_policy import SupervisorTiming
+from worker.supervise import EngineSupervisor
+
+TOY_BLOCK = {"source": "/models/toy", "weights_mib": 1, "base_args": ["--slots", "3"], "tiers": {"1": ["--slots", "5"]}}
+GGUF_BLOCK = {"source": "/models/tiny.gguf", "weights_mib": 1}
+
+
+@pytest.fixture
+def toy() -> Iterator[None]:
+    registry.register(toy_engine)
+    try:
+        yield
+    finally:
+        registry.unregister(toy_engine.NAME)
+
+
+def assign_frame(**blocks: Any) -> str:
+    return json.dumps({"type": "assign", "assignment_id": "a-3", "model": {"name": "toy-model", **blocks}})
+
+
+def parsed(**blocks: Any) -> protocol.Assign:
+    message = protocol.parse_from_coordinator(assign_frame(**blocks))
+    assert isinstance(message, protocol.Assign)
+    return message
+
+
+def test_the_built_in_engines_are_registered_in_preference_order() -> None:
+    assert registry.names() == ("vllm", "llamacpp")
+    assert get_adapter("vllm") is vllm and get_adapter("llamacpp") is llamacpp
+    assert [a.NAME for a in registry.for_runtime("native")] == ["vllm"]
+    assert [a.NAME for a in registry.for_runtime("cpu")] == ["llamacpp"]
+    assert (registry.display_name("vllm"), registry.display_name("llamacpp")) == ("vLLM", "llama.cpp")
+
+
+def test_an_unknown_engine_is_refused_by_name_and_shown_as_its_name() -> None:
+    with pytest.raises(ValueError, match="unknown engine 'sglang'; known engines: vllm, llamacpp"):
+        get_adapter("sglang")
+    assert registry.display_name("sglang") == "sglang"
+    assert version_problem("sglang", "1.0") == "engine 'sglang' is not one this app runs (vllm, llamacpp)"
+    with pytest.raises(BadSource, match="not one this app runs"):
+        check_source("org/model", None, "sglang")
+    with pytest.raises(InputError, match="NAME one of vllm, llamacpp"):
+        parse_engine_bins(["sglang=/bin/sglang"])
+
+
+def test_a_name_is_registered_once(toy: None) -> None:
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register(toy_engine)
+    assert registry.names() == ("vllm", "llamacpp", "toy")
+
+
+def test_an_unknown_engine_block_in_assign_is_ignored_and_a_registered_one_read(
+        toy: None, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="worker.protocol")
+    message = parsed(toy=TOY_BLOCK, sglang={"anything": ["goes", 1]}, llamacpp=None)
+    block = message.model.for_engine("toy")
+    assert block is not None and block.base_args == ["--slots", "3"]
+    assert set(message.model.engines) == {"toy"}  # `llamacpp: null` is no block; `sglang` is none of ours
+    assert "'sglang'" in caplog.text and "does not run" in caplog.text
+    assert json.loads(protocol.encode(message))["model"]["toy"]["source"] == "/models/toy"
+
+
+def test_without_its_adapter_the_same_block_is_ignored() -> None:
+    message = parsed(toy=TOY_BLOCK)
+    assert message.model.for_engine("toy") is None and message.model.engines == {}
+
+
+def test_a_registered_block_is_still_checked(toy: None) -> None:
+    with pytest.raises(protocol.BadMessage, match=r"model\.toy\.weights_mib"):
+        parsed(toy={"source": "/models/toy"})
+
+
+def test_hello_cli_and_detection_take_the_engines_from_the_registry(toy: None) -> None:
+    assert set(published_args()) == {"vllm", "llamacpp", "toy"} and published_args()["toy"] == ["--slots"]
+    assert parse_engine_bins(["toy=/opt/toy"]) == {"toy": "/opt/toy"}
+    found = find_engines("Linux", {"toy": "/opt/toy", "vllm": "/nonexistent/vllm",
+                                   "llamacpp": "/nonexistent/llama-server"}, lambda *_: None)
+    assert found["toy"].path == "/opt/toy" and set(found) == {"vllm", "llamacpp", "toy"}
+    assert registry.display_name("toy") == "Toy engine"
+
+
+async def test_provisioning_follows_the_adapter_and_refuses_an_engine_it_cannot_install(
+        toy: None, tmp_path: Path) -> None:
+    folder = tmp_path / "toy-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    paths = Paths.under(tmp_path)
+    block = protocol.EngineModel(source=str(folder), weights_mib=1)
+    assert await ensure_model(block, "toy", paths, Settings(), lambda _: None) == folder  # a folder engine
+    with pytest.raises(BadSource, match="single GGUF file; Toy engine needs a Hugging Face repo id"):
+        check_source("https://h.example/m.gguf", "ab" * 32, "toy")
+    assert version_problem("toy", "1.0") is None
+    assert version_problem("toy", "2.0") == ("Toy engine version 2.0 is not one this app ships with (1.0); "
+                                             "update the app, or ask the network for Toy engine 1.0")
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine("toy", None, paths, lambda _: None)
+    assert "--engine-bin toy=PATH" in failure.value.problem.message
+
+
+def test_plan_picks_the_first_engine_of_the_runtime_that_the_model_has_a_block_for(toy: None) -> None:
+    machine = replay("no-gpu.json")
+    assert machine.runtime == "cpu"
+    both = plan(machine, parsed(toy=TOY_BLOCK, llamacpp=GGUF_BLOCK), Settings())
+    assert isinstance(both, Plan) and both.engine == "llamacpp"  # registered first: unchanged
+    neither = plan(machine, parsed(vllm={"source": "org/m", "weights_mib": 1}), Settings())
+    assert isinstance(neither, Refusal)
+    assert neither.reason == ("model 'toy-model' has a build for none of the engines this machine's runtime "
+                              "(cpu) runs (llamacpp, toy)")
+    refused = plan(machine, parsed(toy={**TOY_BLOCK, "base_args": ["--threads", "2"]}), Settings())
+    assert isinstance(refused, Refusal) and refused.reason.startswith("argument not allowed: --threads (in base_args)")
+
+
+async def test_a_third_engine_runs_plan_supervise_metrics_through_its_adapter(toy: None, tmp_path: Path) -> None:
+    machine = replay("no-gpu.json")
+    result = plan(machine, parsed(toy=TOY_BLOCK), Settings())
+    assert isinstance(result, Plan) and result.engine == "toy", result
+    (engine_plan,) = result.engines
+    assert (engine_plan.layout, engine_plan.tier, engine_plan.args) == ("single", "1", ("--slots", "3", "--slots", "5"))
+    assert engine_plan.env["TOY_RUNTIME"] == "cpu" and engine_plan.memory_utilization is None
+    assert result.warnings == ("tier 1: the toy engine runs --slots 3 --slots 5 (base: --slots 3)",)
+    assert engine_plan.argv("KEY")[:3] == list(toy_engine.DEFAULT_EXECUTABLE)
+
+    phases: list[str | None] = []
+    supervisor = EngineSupervisor(engine_plan, paths=Paths.under(tmp_path).ensure(),
+                                  on_event=lambda snap, _reason: phases.append(snap.phase),
+                                  timing=SupervisorTiming(poll_s=0.05, ready_timeout_s=60))
+    await supervisor.start()
+    try:
+        snapshot = await supervisor.wait_for_state("ready", "failed", timeout=60)
+        assert snapshot.state == "ready", snapshot.last_error
+        assert "loading" in phases  # its log, read through its `parse_line`
+        assert snapshot.max_concurrency == 5.0  # `/toy/props` read through its readiness hook: the tier's slots
+        assert snapshot.context.declared == 1024  # /v1/models, as for every engine
+        target = supervisor.target()
+        assert target is not None
+        metrics = await scrape(supervisor.http, f"{target.base_url}/metrics", target.api_key, engine_plan.engine)
+        page = (await supervisor.http.get(f"{target.base_url}/metrics")).text
+    finally:
+        await supervisor.stop()
+    # The readiness probe's one completion, counted under the toy engine's own series names.
+    assert (metrics.engine, metrics.requests_running, metrics.prompt_tokens, metrics.generation_tokens) == (
+        "toy", 0, 1, SupervisorTiming().probe_max_tokens)
+    assert parse_metrics(page).engine == "toy"  # a page without a name is told by the adapter's prefix

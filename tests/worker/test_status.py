@@ -1,0 +1,70 @@
+"""The status file: when the node rewrites it, how (0600, whole), and `gpu-provider status` reading it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+from pathlib import Path
+
+from worker import __version__
+from worker.config import Paths
+from worker.events import NodeSnapshot, ThroughputSnapshot
+from worker.status import STATUS_FILE_S, StatusFile, read_status, status_table
+
+SNAP = NodeSnapshot(at=1.0, state="ready", node_id="n-1", runtime="native", model="qwen3-8b")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rewritten_when_more_than_the_clock_changed_else_every_ten_seconds(tmp_path: Path) -> None:
+    clock = Clock()
+    status_file = StatusFile(Paths.under(tmp_path).ensure(), lambda: True, clock)
+    assert not status_file.due(None)
+    assert status_file.due(SNAP)
+    ticked = dataclasses.replace(SNAP, at=2.0, throughput=ThroughputSnapshot(run_seconds=1.0))
+    assert not status_file.due(ticked)  # only the clock moved
+    assert status_file.due(dataclasses.replace(SNAP, in_flight=1))
+    clock.now += STATUS_FILE_S
+    assert status_file.due(dataclasses.replace(SNAP, in_flight=1))
+
+
+def test_written_private_and_read_back_while_the_writer_lives(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path).ensure()
+    StatusFile(paths, lambda: True).write(SNAP)
+    assert stat.S_IMODE(os.stat(paths.status_file).st_mode) == 0o600
+    data = read_status(paths)
+    assert data is not None and (data["pid"], data["version"]) == (os.getpid(), __version__)
+    assert data["snapshot"]["model"] == "qwen3-8b"
+    assert not list(paths.status_file.parent.glob("*.tmp"))
+
+
+def test_only_an_owner_writes_or_removes_it(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path).ensure()
+    owned = [False]
+    status_file = StatusFile(paths, lambda: owned[0])
+    status_file.write(SNAP)
+    assert not paths.status_file.exists()  # the data folder is another version's during a hand-over
+    owned[0] = True
+    status_file.write(SNAP)
+    owned[0] = False
+    status_file.remove()
+    assert paths.status_file.exists()
+    owned[0] = True
+    status_file.remove()
+    assert not paths.status_file.exists() and read_status(paths) is None
+
+
+def test_the_table_shows_what_the_file_says(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path).ensure()
+    StatusFile(paths, lambda: True).write(SNAP)
+    data = read_status(paths)
+    assert data is not None
+    table = status_table(data)
+    assert "state       ready" in table and "model       qwen3-8b" in table

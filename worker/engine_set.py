@@ -1,0 +1,101 @@
+"""The node's engines: one `EngineSupervisor` per engine of the current plan, started together on
+free ports and stopped together; where the relay may send requests, and which processes on the
+machine are the app's."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import httpx
+import psutil
+
+from worker.config import Paths
+from worker.events import EngineSnapshot, NodeState
+from worker.gpu_watch import GpuWatch
+from worker.plan import EnginePlan
+from worker.ports import free_first_port
+from worker.relay import EngineTarget
+from worker.supervise import EngineSupervisor, EventCallback, Remeasure
+
+
+class EngineSet:
+    """The running supervisors by engine id, and the HTTP client of the engines on a TCP port
+    (one on a Unix socket has its own)."""
+
+    def __init__(self, paths: Paths, gpus: GpuWatch, *, on_event: EventCallback, remeasure: Remeasure) -> None:
+        self._paths = paths
+        self._gpus = gpus
+        self._on_event = on_event
+        self._remeasure = remeasure
+        self._supervisors: dict[str, EngineSupervisor] = {}
+        self._http: httpx.AsyncClient | None = None
+
+    def __len__(self) -> int:
+        return len(self._supervisors)
+
+    def get(self, engine_id: str) -> EngineSupervisor | None:
+        return self._supervisors.get(engine_id)
+
+    def snapshots(self) -> list[EngineSnapshot]:
+        """Safe from any thread (auto-pause asks from one): the dict is copied in one step."""
+        return [s.snapshot() for s in list(self._supervisors.values())]
+
+    def states(self) -> list[NodeState]:
+        return [snap.state for snap in self.snapshots()]
+
+    def serving(self) -> bool:
+        """Some engine serves, or is on its way to (a failed or stopped one is not)."""
+        return any(state not in ("failed", "stopped") for state in self.states())
+
+    def ready_targets(self) -> list[EngineTarget]:
+        """Where the relay may send requests now: the engines that are ready (or degraded but serving)."""
+        targets = (s.target() for s in self._supervisors.values())
+        return [EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name, t.socket_path)
+                for t in targets if t is not None]
+
+    async def launch(self, engine_plans: Sequence[EnginePlan]) -> None:
+        """Starts one supervisor per plan (returns once each is started, not ready), on
+        consecutive ports that nothing listens on."""
+        first = free_first_port(engine_plans[0].port, len(engine_plans)) if engine_plans else 0
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False)
+        gpu_released = self._gpus.released if self._gpus.nvml is not None else None
+        for i, engine_plan in enumerate(engine_plans):
+            engine_plan = dataclasses.replace(engine_plan, port=first + i)
+            sup = EngineSupervisor(engine_plan, paths=self._paths, on_event=self._on_event, http=self._http,
+                                   gpu_released=gpu_released, remeasure=self._remeasure)
+            self._supervisors[engine_plan.engine_id] = sup
+            await sup.start()
+
+    async def stop_all(self) -> list[str]:
+        """Stops every engine (until its GPU memory is free); the ids of those removed."""
+        sups = list(self._supervisors.items())
+        await asyncio.gather(*(s.stop() for _, s in sups), return_exceptions=True)
+        removed = []
+        for engine_id, sup in sups:  # only these: one an assign or resume started meanwhile still runs
+            if self._supervisors.get(engine_id) is sup:
+                del self._supervisors[engine_id]
+                removed.append(engine_id)
+        return removed
+
+    async def close(self) -> None:
+        """After the last `stop_all`."""
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.aclose()
+
+    def own_pids(self) -> set[int]:
+        """The app's process, its engines' and their children (vLLM's workers are the engine's)."""
+        own = {os.getpid()}
+        for snap in self.snapshots():
+            if snap.pid is None:
+                continue
+            own.add(snap.pid)
+            try:
+                own.update(child.pid for child in psutil.Process(snap.pid).children(recursive=True))
+            except psutil.Error:
+                pass
+        return own

@@ -1,0 +1,142 @@
+"""llama.cpp's `llama-server`: the adapter. Its command line, environment, endpoints and planning
+are here; its log (`log.py`), arguments (`args.py`), /metrics names (`metrics.py`) and what it
+says once ready (`ready.py`) beside it.
+
+Pure. Strings and flags follow `shared/reference/engines.md` part B; log lines are read from
+stderr, with or without `--log-prefix`/`--log-timestamps`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from worker.engines import layout
+from worker.engines.base import Endpoint, ModelFormat, cuda_environment, mask_values
+from worker.engines.layout import Unit
+from worker.engines.llamacpp import args as llamacpp_args
+from worker.engines.llamacpp.log import parse_line
+from worker.engines.llamacpp.metrics import NAMES as METRIC_NAMES
+from worker.engines.llamacpp.metrics import PREFIX as METRICS_PREFIX
+from worker.engines.llamacpp.metrics import derive_metrics
+from worker.engines.llamacpp.ready import READS as READY_READS
+from worker.engines.llamacpp.ready import ready_snapshot
+
+if TYPE_CHECKING:
+    from worker.hardware.installed import VersionRunner
+    from worker.hardware.model import EngineInstall, Machine
+    from worker.provision.releases import Releases
+
+NAME = "llamacpp"
+DISPLAY_NAME = "llama.cpp"
+ARGS_TITLE = "llama.cpp (`llama-server`)"
+RUNTIMES: frozenset[str] = frozenset({"apple-silicon", "windows", "cpu"})
+MODEL_FORMAT: ModelFormat = "gguf"
+MEMORY_SHARE = False  # `--fit off` instead: a context that does not fit fails, and a lower tier is tried
+DEFAULT_EXECUTABLE: tuple[str, ...] = ("llama-server",)
+ALLOWED_ARGS = llamacpp_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
+
+# /health and /v1/models are public; /metrics, /props and /slots need the key once one is set (B4).
+ENDPOINTS: Mapping[str, Endpoint] = {
+    "health": Endpoint("/health", needs_api_key=False),
+    "models": Endpoint("/v1/models", needs_api_key=False),
+    "metrics": Endpoint("/metrics", needs_api_key=True),
+    "props": Endpoint("/props", needs_api_key=True),
+    "slots": Endpoint("/slots", needs_api_key=True),
+}
+
+_SECRET_FLAGS = frozenset({"--api-key"})
+
+
+def command(
+    executable: Sequence[str],
+    model: str,
+    args: Sequence[str],
+    *,
+    port: int,
+    api_key: str,
+    served_name: str,
+    tensor_parallel: int = 1,
+    socket_path: str | None = None,
+    memory_utilization: float | None = None,
+) -> list[str]:
+    """`llama-server -m MODEL ARGS…` with the app-owned flags last; it splits layers over the GPUs
+    it sees by itself, so `tensor_parallel` needs no flag, and it has no memory share to be told,
+    so `memory_utilization` is unused.
+
+    `--fit off` (contract, Assignment rule 3): with fit on, a context that does not fit is silently
+    shrunk or moved off the GPU; off, it fails to allocate, which the supervisor sees and answers
+    with a lower tier. A `--host` value ending in `.sock` is a Unix socket (the port is then unused).
+    The API key is not here: any local user can read a command line, so it travels in the
+    environment (`environment`); `api_key` is accepted so that callers need not change."""
+    listen = ["--host", socket_path] if socket_path is not None else ["--host", "127.0.0.1", "--port", str(port)]
+    return [*executable, "-m", model, *args, "--fit", "off", *listen, "--alias", served_name, "--metrics"]
+
+
+def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
+                config_home: str | None = None) -> dict[str, str]:
+    """Only the app configures the server: no inherited `LLAMA_ARG_*`, `LLAMA_API_KEY` or Vertex AI
+    `AIP_*` (they move the port); this run's key as `LLAMA_API_KEY`; and the user-level
+    `config.ini` looked up under `config_home`, a folder the app owns, so a file planted in
+    `~/.config/llama.cpp/` cannot set `host = 0.0.0.0` (`XDG_CONFIG_HOME`; `APPDATA` on Windows)."""
+    env = {k: v for k, v in cuda_environment(base, gpu_indices).items() if not k.startswith("AIP_")}
+    if api_key is not None:
+        env["LLAMA_API_KEY"] = api_key
+    if config_home is not None:
+        env["XDG_CONFIG_HOME"] = config_home
+        if "APPDATA" in env:
+            env["APPDATA"] = config_home
+    return env
+
+
+def mask_argv(argv: Sequence[str]) -> list[str]:
+    return mask_values(argv, _SECRET_FLAGS, many=False)
+
+
+def units(machine: Machine, weights_mib: int, cap: float | None) -> list[Unit] | str:
+    """One process over a whole group (it splits by layers), the Mac's working set, or RAM; no
+    memory share to be held to, so `cap` is unused."""
+    return layout.whole_group_units(machine, weights_mib)
+
+
+def capacity(machine: Machine, cap: float | None) -> str:
+    return layout.whole_group_capacity(machine)
+
+
+def runtime_environment(machine: Machine, version: str | None) -> dict[str, str]:
+    """Nothing per runtime: the release built for the platform needs no more."""
+    return {}
+
+
+def tier_warning(machine: Machine, gpu_indices: Sequence[int], tier: str | None, args: Sequence[str],
+                 base_args: Sequence[str]) -> str | None:
+    """No tier setting is known to slow llama-server down."""
+    return None
+
+
+def find_installed(system: str, where: str | None, run: VersionRunner) -> EngineInstall:
+    from worker.hardware.installed import find_llama_server  # hardware imports the engines: import when asked
+
+    return find_llama_server(where, run)
+
+
+def shipped_versions(releases: Releases) -> tuple[str, ...]:
+    """The pinned builds, newest first."""
+    return tuple(sorted(releases.llamacpp, key=build_number, reverse=True))
+
+
+def normalise_version(version: str) -> str:
+    """ "10423" and "b10423" both name llama.cpp build b10423."""
+    return version if version.startswith("b") else f"b{version}"
+
+
+def build_number(build: str) -> int:
+    digits = build.removeprefix("b")
+    return int(digits) if digits.isdigit() else -1
+
+
+__all__ = [
+    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "MEMORY_SHARE", "METRICS_PREFIX",
+    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "READY_READS", "RUNTIMES", "build_number", "capacity", "command",
+    "derive_metrics", "environment", "find_installed", "mask_argv", "normalise_version", "parse_line",
+    "ready_snapshot", "runtime_environment", "shipped_versions", "tier_warning", "units",
+]

@@ -1,0 +1,126 @@
+"""vLLM (`vllm serve`): the adapter. Its command line, environment and endpoints are here; its log
+(`log.py`), arguments (`args.py`), planning rules (`planning.py`) and /metrics names (`metrics.py`)
+beside it.
+
+Pure. Strings and flags follow `shared/reference/engines.md` part A (0.33.0, with the older
+0.11/0.20 variants still recognised).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from worker.engines.base import Endpoint, ModelFormat, Slots, cuda_environment, mask_values
+from worker.engines.vllm import args as vllm_args
+from worker.engines.vllm.log import parse_line
+from worker.engines.vllm.metrics import NAMES as METRIC_NAMES
+from worker.engines.vllm.metrics import PREFIX as METRICS_PREFIX
+from worker.engines.vllm.metrics import derive_metrics
+from worker.engines.vllm.planning import capacity, runtime_environment, serves_group, tier_warning, units
+from worker.events import EngineSnapshot
+
+if TYPE_CHECKING:
+    from worker.hardware.installed import VersionRunner
+    from worker.hardware.model import EngineInstall
+    from worker.provision.releases import Releases
+
+NAME = "vllm"
+DISPLAY_NAME = "vLLM"
+ARGS_TITLE = "vLLM 0.33 (`vllm serve`)"
+RUNTIMES: frozenset[str] = frozenset({"native", "wsl2"})  # NVIDIA on Linux, or inside WSL2 on Windows
+MODEL_FORMAT: ModelFormat = "folder"
+MEMORY_SHARE = True  # `--gpu-memory-utilization`: its start-up check fails on a card the desktop holds
+DEFAULT_EXECUTABLE: tuple[str, ...] = ("vllm",)
+ALLOWED_ARGS = vllm_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
+READY_READS: tuple[str, ...] = ()  # its log and /v1/models say all there is to know
+
+# /health, /metrics and /version are never authenticated; every /v1 path is (A4).
+ENDPOINTS: Mapping[str, Endpoint] = {
+    "health": Endpoint("/health", needs_api_key=False),
+    "models": Endpoint("/v1/models", needs_api_key=True),
+    "metrics": Endpoint("/metrics", needs_api_key=False),
+    "version": Endpoint("/version", needs_api_key=False),
+}
+
+_SECRET_FLAGS = frozenset({"--api-key"})
+# Inherited variables that would change the API key, the log format we parse, or open dev endpoints.
+_DROPPED_ENV = frozenset(
+    {"VLLM_API_KEY", "VLLM_PORT", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING",
+     "VLLM_SERVER_DEV_MODE"}
+)
+
+
+def command(
+    executable: Sequence[str],
+    model: str,
+    args: Sequence[str],
+    *,
+    port: int,
+    api_key: str,
+    served_name: str,
+    tensor_parallel: int = 1,
+    socket_path: str | None = None,
+    memory_utilization: float | None = None,
+) -> list[str]:
+    """`vllm serve MODEL ARGS…` with the app-owned flags last, so they win over anything before.
+
+    `--gpu-memory-utilization` is the share of each card the plan measured as usable (contract,
+    Assignment rule 3): vLLM's default (0.92 of total) fails its own start-up check on a card whose
+    desktop holds more than 8 %. `--uds PATH` (a Unix socket) replaces the port where the platform
+    has one; `--host 127.0.0.1` stays either way, as vLLM's default host is every interface. The API
+    key is not here: any local user can read a command line, so it travels in the environment
+    (`environment`); `api_key` is accepted so that callers need not change."""
+    parallel = ["--tensor-parallel-size", str(tensor_parallel)] if tensor_parallel > 1 else []
+    memory = [] if memory_utilization is None else ["--gpu-memory-utilization", f"{memory_utilization:g}"]
+    listen = ["--uds", socket_path] if socket_path is not None else ["--port", str(port)]
+    return [*executable, "serve", model, *args, *parallel, *memory, "--host", "127.0.0.1", *listen,
+            "--served-model-name", served_name]
+
+
+def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
+                config_home: str | None = None) -> dict[str, str]:
+    """No usage stats, no colour, unbuffered logs, nothing inherited that changes keys or log format;
+    this run's key as `VLLM_API_KEY` (read when `--api-key` is absent), and user config read from
+    `config_home` (a folder the app owns) rather than `~/.config`."""
+    env = {k: v for k, v in cuda_environment(base, gpu_indices).items() if k not in _DROPPED_ENV}
+    env.update(
+        {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1",
+         "PYTHONUNBUFFERED": "1"}
+    )
+    if api_key is not None:
+        env["VLLM_API_KEY"] = api_key
+    if config_home is not None:
+        env["XDG_CONFIG_HOME"] = config_home
+    return env
+
+
+def mask_argv(argv: Sequence[str]) -> list[str]:
+    """The command line as shown in status and logs: `--api-key` takes one or more values (nargs +)."""
+    return mask_values(argv, _SECRET_FLAGS, many=True)
+
+
+def ready_snapshot(reads: Mapping[str, Any], snapshot: EngineSnapshot, slots: Slots | None) -> EngineSnapshot:
+    """Nothing to add: vLLM's log and /v1/models said it all (`READY_READS` is empty)."""
+    return snapshot
+
+
+def find_installed(system: str, where: str | None, run: VersionRunner) -> EngineInstall:
+    from worker.hardware.installed import find_vllm  # hardware imports the engines: import when asked
+
+    return find_vllm(system, where, run)
+
+
+def shipped_versions(releases: Releases) -> tuple[str, ...]:
+    return releases.vllm
+
+
+def normalise_version(version: str) -> str:
+    return version
+
+
+__all__ = [
+    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "MEMORY_SHARE", "METRICS_PREFIX",
+    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "READY_READS", "RUNTIMES", "capacity", "command", "derive_metrics",
+    "environment", "find_installed", "mask_argv", "normalise_version", "parse_line", "ready_snapshot",
+    "runtime_environment", "serves_group", "shipped_versions", "tier_warning", "units",
+]

@@ -1,0 +1,218 @@
+"""The relay's rules for bodies, pure: which requests may reach an engine and which are
+generations, the body an engine is sent, and the engine's bytes back as text to relay.
+
+A body that gives media by URL (`image_url: "http://192.168.1.1/…"`) is refused before it
+reaches the engine, which would otherwise fetch it from the provider's home network: media come
+inline, as `data:` URLs.
+
+`StreamFilter` cuts an event stream at SSE event boundaries (so a multi-byte character is never
+split), looks for `"usage"` with one substring search over the whole block, and decodes it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import re
+from typing import Any
+from urllib.parse import unquote
+
+from pydantic import ValidationError
+
+from worker import protocol
+
+log = logging.getLogger(__name__)
+
+# The requests that generate tokens: the only ones measured and paid for.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_MAX_HELD_BYTES = 1 << 20  # an "event" this long without a blank line is relayed as it is
+_PATH = re.compile(r"^/v1/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*(\?[A-Za-z0-9._~!$&'()*+,;=:@%/?-]*)?$")
+_EVENT_SEPARATOR = re.compile(rb"(\r?\n\r?\n)")
+_USAGE_KEY = b'"usage"'
+# Where a body names media: keys whose string value is a URL (OpenAI, responses and Anthropic
+# forms), and media objects (inline base64 and plain fields). Only inline data passes.
+_URL_KEYS = frozenset({"url", "image_url", "audio_url", "video_url", "file_url"})
+_MEDIA_OBJECTS = frozenset({"input_audio", "file"})
+_URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
+MAX_BODY_DEPTH = 64
+
+
+class StreamFilter:
+    """The engine's bytes → UTF-8 text to relay, picking up `usage` on the way.
+
+    For an event stream it relays whole SSE events only (a blank line is ASCII, so a multi-byte
+    character split across network reads is always joined first) and, when the relay asked for
+    usage on the caller's behalf, drops the usage-only chunk (`"choices": []`) from what is relayed.
+    """
+
+    def __init__(self, *, events: bool, strip_usage: bool) -> None:
+        self._events = events
+        self._strip_usage = strip_usage
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._held = b""
+        self.usage: protocol.Usage | None = None
+
+    def feed(self, data: bytes) -> str:
+        if not self._events:
+            return self._decoder.decode(data)
+        if self._held:
+            data = self._held + data
+            self._held = b""
+        elif data.endswith(b"\n\n") and _USAGE_KEY not in data:
+            return data.decode("utf-8", "replace")  # the common case: whole events, no usage
+        end = _end_of_last_event(data)
+        if end == 0 and len(data) <= _MAX_HELD_BYTES:
+            self._held = data
+            return ""
+        if end == 0:
+            end = _utf8_safe_end(data)
+        complete, self._held = data[:end], data[end:]
+        return self._read_usage(complete).decode("utf-8", "replace")
+
+    def finish(self) -> str:
+        rest, self._held = self._held, b""
+        if self._events:
+            return self._read_usage(rest).decode("utf-8", "replace")
+        return self._decoder.decode(b"", final=True)
+
+    def read_json_usage(self, body: bytes) -> None:
+        """Usage of a whole (non-streamed) JSON answer."""
+        if _USAGE_KEY not in body:
+            return
+        try:
+            document = json.loads(body)
+        except ValueError:
+            return
+        if isinstance(document, dict):
+            self._remember_usage(document.get("usage"))
+
+    def _read_usage(self, block: bytes) -> bytes:
+        if _USAGE_KEY not in block:
+            return block
+        parts = _EVENT_SEPARATOR.split(block)
+        kept: list[bytes] = []
+        for event, separator in zip(parts[0::2], parts[1::2] + [b""]):
+            if _USAGE_KEY in event and self._is_usage_only(event):
+                continue
+            kept.append(event + separator)
+        return b"".join(kept)
+
+    def _is_usage_only(self, event: bytes) -> bool:
+        """Reads the event's usage; True when the event should be left out of the relay."""
+        payload = b"\n".join(
+            line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:")
+        )
+        try:
+            document = json.loads(payload)
+        except ValueError:
+            return False
+        if not isinstance(document, dict):
+            return False
+        self._remember_usage(document.get("usage"))
+        return self._strip_usage and document.get("choices") == [] and document.get("usage") is not None
+
+    def _remember_usage(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        try:
+            self.usage = protocol.Usage.model_validate(usage)
+        except ValidationError:
+            log.debug("the engine's usage %r does not fit the protocol; ignored", usage)
+
+
+def _end_of_last_event(data: bytes) -> int:
+    """Index just past the last blank line (`\\n\\n` or `\\r\\n\\r\\n`); 0 when there is none."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def _utf8_safe_end(data: bytes) -> int:
+    """The longest prefix of `data` that does not end inside a multi-byte character."""
+    end = len(data)
+    start = end
+    while start > 0 and end - start < 4 and data[start - 1] & 0xC0 == 0x80:
+        start -= 1
+    if start == 0 or data[start - 1] < 0x80:
+        return end
+    lead = data[start - 1]
+    needed = 2 if lead >= 0xC0 and lead < 0xE0 else 3 if lead < 0xF0 else 4
+    return end if end - (start - 1) >= needed else start - 1
+
+
+def unrelayable(method: str, path: str) -> str | None:
+    """Why this request may not reach the engine, or None."""
+    if method not in ("GET", "POST"):
+        return f"only GET and POST are relayed, not {method!r}"
+    segments = unquote(path.split("?", 1)[0]).split("/")
+    if not _PATH.match(path) or ".." in segments or any("\\" in s for s in segments):
+        return f"only paths under /v1/ are relayed, not {path!r}"
+    return None
+
+
+def media_by_url(body: Any) -> str | None:
+    """Why `body` would make the engine fetch something, or None (pure).
+
+    Anywhere in the body (`messages[*].content[*]`, a responses `input`, an Anthropic `source`,
+    a rerank document): the string value of a URL key must be a `data:` URL, and no string inside
+    a media object (`input_audio`, `file`) may be a URL. Anything nested deeper than
+    `MAX_BODY_DEPTH` is refused unread."""
+    stack: list[tuple[Any, str, str | None, bool, int]] = [(body, "body", None, False, 0)]
+    while stack:
+        value, where, key, in_media, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            return f"the request body is nested more than {MAX_BODY_DEPTH} levels deep"
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}", k, in_media or k in _MEDIA_OBJECTS, depth + 1) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", None, in_media, depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str) and _fetched(value, key in _URL_KEYS, in_media):
+            return (f"{where[:160]} gives media by URL; this node never fetches from the network for a request: "
+                    "send the media inline as a data: URL (data:image/png;base64,…)")
+    return None
+
+
+def _fetched(text: str, url_key: bool, in_media: bool) -> bool:
+    """A string the engine would fetch: a URL key's value that is not a `data:` URL, or a URL
+    (`scheme://…`) inside a media object."""
+    stripped = text.strip()
+    if stripped[:5].lower() == "data:":
+        return False
+    return url_key or (in_media and _URL_SCHEME.match(stripped) is not None and "://" in stripped)
+
+
+def is_generation(method: str, path: str) -> bool:
+    """A request that generates tokens (its query string aside): the relay meters these only."""
+    return method == "POST" and path.split("?")[0] in GENERATION_PATHS
+
+
+def asks_stream(body: Any) -> bool:
+    return isinstance(body, dict) and body.get("stream") is True
+
+
+def engine_body(body: Any, served_model_name: str) -> tuple[bytes | None, bool]:
+    """The body sent to the engine, and whether the relay added `include_usage` (so that the
+    usage-only chunk must be left out of what the caller gets)."""
+    if body is None:
+        return None, False
+    if not isinstance(body, dict):
+        return json.dumps(body, ensure_ascii=False).encode("utf-8"), False
+    body = dict(body)
+    body["model"] = served_model_name
+    strip_usage = False
+    if body.get("stream") is True:
+        options = body.get("stream_options")
+        options = dict(options) if isinstance(options, dict) else {}
+        if options.get("include_usage") is not True:
+            options["include_usage"] = True
+            body["stream_options"] = options
+            strip_usage = True
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8"), strip_usage
+
+
+def engine_headers(api_key: str, has_body: bool) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {api_key}", "Accept-Encoding": "identity"}
+    if has_body:
+        headers["Content-Type"] = "application/json"
+    return headers
