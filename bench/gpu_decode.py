@@ -109,7 +109,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     ceiling = roofline(reading["decode_tokens_per_s"], bandwidths, weights)
     return {
         "machine": machine_description() | {"gpus": [g.name for g in machine.gpus if g.index in engine.gpu_indices]},
-        "engine": chosen.engine, "argv": engine.argv("***"), "tier": engine.tier, "layout": engine.layout,
+        "engine": chosen.engine, "argv": engine.argv(), "tier": engine.tier, "layout": engine.layout,
         "model": assign.model.name, "weight_bytes": weights, "memory_bandwidth_gbps": bandwidths, **reading,
         "roofline_tokens_per_s": ceiling.ceiling_tokens_per_s if ceiling else None,
         "share_of_roofline": ceiling.share if ceiling else None,

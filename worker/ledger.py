@@ -16,6 +16,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, tzinfo
@@ -30,6 +31,7 @@ SCHEMA_VERSION = 1
 JOULES_PER_KWH = 3_600_000.0
 COARSE_STEP_S = 60
 DETAIL_DAYS = 2  # requests kept one by one (for idempotency) for today and yesterday, then per day
+CHART_WINDOW_S = 3600.0  # the chart history the GUI may ask for, kept in memory: a point a second a series
 EARNINGS_REFRESH_S = 60.0  # earnings are re-read after each credit, and this often for electricity and the day
 T = TypeVar("T")
 
@@ -303,6 +305,10 @@ class Ledger:
         self._db.execute("DELETE FROM samples_fine WHERE series = ? AND t < ?", (series, fine_cutoff))
         self._db.execute("DELETE FROM samples_coarse WHERE series = ? AND t < ?", (series, coarse_cutoff))
 
+    def series_names(self) -> list[str]:
+        with self._lock:
+            return [str(name) for (name,) in self._db.execute("SELECT DISTINCT series FROM samples_fine")]
+
     def series(self, name: str, since: float, now: float | None = None) -> list[tuple[float, float]]:
         """Points from `since`: per second if that lies within the last hour, else per-minute means."""
         now = self._clock() if now is None else now
@@ -342,13 +348,26 @@ class Books:
         self._writes: set[asyncio.Future[Any]] = set()  # credits still being written
         self._earnings_read_at = float("-inf")
         self.earnings: EarningsSnapshot | None = None
+        self._charts: dict[str, deque[tuple[float, float]]] = {}  # the last CHART_WINDOW_S, in memory
+        self._charts_lock = threading.Lock()
 
     def open(self) -> None:
-        """Opens the file and reads the earnings (in a thread)."""
+        """Opens the file, reads the earnings and the last hour of chart points (in a thread)."""
         ledger = Ledger(self._path)
         with self._guard:
             self._ledger = ledger
         self.read_earnings()
+        now = time.time()  # the same instant for both, so the hour is read per second, not as minute means
+        loaded = {name: deque(ledger.series(name, now - CHART_WINDOW_S, now)) for name in ledger.series_names()}
+        with self._charts_lock:
+            self._charts = loaded
+
+    def chart(self, series: str, since: float) -> list[tuple[float, float]]:
+        """Chart points from `since` (within the last hour) from memory: the GUI thread asks every
+        second, and must never wait on SQLite (or on a credit being written)."""
+        with self._charts_lock:
+            points = self._charts.get(series)
+            return [point for point in points if point[0] >= since] if points else []
 
     def use(self, use: Callable[[Ledger], T]) -> T | None:
         """`use(ledger)` while the ledger is open; None (and nothing done) once it is closed."""
@@ -361,12 +380,21 @@ class Books:
 
     def record_samples(self, rows: Sequence[tuple[str, float | None]], now: float) -> None:
         """Chart points (every second); the earnings re-read once every `EARNINGS_REFRESH_S`."""
-        values = {name: value for name, value in rows if value is not None}
+        values = {name: value for name, value in rows if value is not None and math.isfinite(value)}
         if values:
             self.use(lambda ledger: ledger.record_samples(values, now))
+            self._remember(values, now)
         if now - self._earnings_read_at >= EARNINGS_REFRESH_S:
             self._earnings_read_at = now
             self.read_earnings()
+
+    def _remember(self, values: Mapping[str, float], now: float) -> None:
+        with self._charts_lock:
+            for name, value in values.items():
+                points = self._charts.setdefault(name, deque())
+                points.append((float(int(now)), value))  # per second, as the ledger keeps them
+                while points and points[0][0] < now - CHART_WINDOW_S:
+                    points.popleft()
 
     def credit(self, request_id: str, run_id: str, model: str, prompt_tokens: int, completion_tokens: int,
                price: Price) -> None:

@@ -139,7 +139,7 @@ class Node:
         self._tasks.call(lambda: self._stopping.set() if self._stopping else None)
 
     def history(self, series: str, since: float) -> list[tuple[float, float]]:
-        return self._books.use(lambda ledger: ledger.series(series, since)) or []
+        return self._books.chart(series, since)
 
     def log_files(self) -> dict[str, Path]:
         files = {"app": self.paths.log_dir / "gpu-provider.log"}

@@ -44,6 +44,7 @@ from worker import protocol
 from worker.config import Settings
 from worker.engines import EngineAdapter, get_adapter, registry
 from worker.engines.allowlist import Allowlist
+from worker.engines.base import Launch
 from worker.engines.layout import FIT_SHARE, Unit, fits
 from worker.hardware.model import Machine
 from worker.provision.releases import version_problem
@@ -51,7 +52,6 @@ from worker.provision.sources import BadSource, check_source
 
 SHARE_STEPS = 1000  # vLLM's memory share is rounded down to 3 decimals
 DEFAULT_FIRST_PORT = 18100
-API_KEY_SHOWN = "***"
 
 Fallback = tuple[str | None, tuple[str, ...]]
 
@@ -92,20 +92,14 @@ class EnginePlan:
     def adapter(self) -> EngineAdapter:
         return get_adapter(self.engine)
 
-    def argv(self, api_key: str, args: Sequence[str] | None = None, *, socket_path: str | None = None) -> list[str]:
+    def argv(self, args: Sequence[str] | None = None, *, socket_path: str | None = None) -> list[str]:
         """The command line for this engine (with `args` from a fallback when retrying; listening on
-        `socket_path` instead of the port where the supervisor gives one)."""
-        return self.adapter.command(
-            self.executable,
-            self.model,
-            self.args if args is None else args,
-            port=self.port,
-            api_key=api_key,
-            served_name=self.served_name,
-            tensor_parallel=self.tensor_parallel,
-            socket_path=socket_path,
-            memory_utilization=self.memory_utilization,
-        )
+        `socket_path` instead of the port where the supervisor gives one). No key: that travels in
+        the environment."""
+        return self.adapter.command(Launch(
+            self.executable, self.model, tuple(self.args if args is None else args), self.served_name, self.port,
+            tensor_parallel=self.tensor_parallel, socket_path=socket_path, memory_utilization=self.memory_utilization,
+        ))
 
     def environment(
         self, base: Mapping[str, str], *, api_key: str | None = None, config_home: str | None = None
@@ -118,7 +112,7 @@ class EnginePlan:
             "gpu_indices": list(self.gpu_indices),
             "layout": self.layout,
             "memory_mib": self.memory_mib,
-            "argv": self.argv(API_KEY_SHOWN),
+            "argv": self.argv(),
         }
 
 

@@ -37,7 +37,7 @@ MEMORY_WAIT_REASON = "Another program is using the GPU's memory; waiting for it 
 
 
 @dataclass(frozen=True)
-class Backoff:
+class RestartBackoff:
     """Delay before the n-th restart in a row: `initial_s` doubling up to `maximum_s`."""
 
     initial_s: float = 2.0
@@ -58,7 +58,7 @@ class SupervisorTiming:
     health_interval_s: float = 5.0
     health_timeout_s: float = 10.0  # a /health slower than this counts as failed
     health_failures: int = 3  # consecutive failed /health checks before a restart
-    memory_wait: Backoff = Backoff(initial_s=2.0, maximum_s=60.0)  # while another program holds the card
+    memory_wait: RestartBackoff = RestartBackoff(initial_s=2.0, maximum_s=60.0)  # while another program holds the card
     stable_after_s: float = 60.0  # an engine that ran this long did not crash "fast"
     max_fast_failures: int = 5
     output_settle_s: float = 2.0  # after an exit, for the last lines to be read
@@ -108,7 +108,7 @@ _TOO_BIG = {"oom": "out of memory while starting", "context": "the KV cache cann
 
 
 def next_step(ended: Ended, *, option: int, options: int, fast_failures: int, tier: str | None,
-              next_tier: str | None, timing: SupervisorTiming, backoff: Backoff, memory_waits: int = 1) -> Step:
+              next_tier: str | None, timing: SupervisorTiming, backoff: RestartBackoff, memory_waits: int = 1) -> Step:
     """Pure: the step after an attempt ended. `fast_failures` counts this one if it was fast;
     `memory_waits` the free-memory refusals in a row, this one included."""
     if ended.kind == "free_memory":

@@ -49,7 +49,7 @@ from worker.events import ContextNumbers, EngineSnapshot, NodeState
 from worker.plan import EnginePlan
 from worker.restart_policy import (
     AttemptFacts,
-    Backoff,
+    RestartBackoff,
     Ended,
     SupervisorTiming,
     next_step,
@@ -102,7 +102,7 @@ class EngineSupervisor:
     """Runs one `EnginePlan`'s engine and keeps it serving, or says why it cannot."""
 
     def __init__(self, plan: EnginePlan, *, paths: Paths, on_event: EventCallback | None = None,
-                 timing: SupervisorTiming = SupervisorTiming(), backoff: Backoff = Backoff(),
+                 timing: SupervisorTiming = SupervisorTiming(), backoff: RestartBackoff = RestartBackoff(),
                  sleep: Callable[[float], Any] = asyncio.sleep, clock: Callable[[], float] = time.monotonic,
                  key_factory: Callable[[], str] = lambda: secrets.token_hex(24),  # never starts with "-" (argparse)
                  base_env: Mapping[str, str] | None = None, gpu_released: procs.GpuReleased | None = None,
@@ -291,13 +291,13 @@ class EngineSupervisor:
         self._facts = AttemptFacts()
         self._remove_socket()
         socket_path = str(self._socket_path) if self._socket_path is not None else None
-        argv = self.plan.argv(self._api_key, args, socket_path=socket_path)
+        argv = self.plan.argv(args, socket_path=socket_path)
         assert self._config_home is not None, "start() prepares the private folder"
         env = {**self.plan.environment(self._base_env, api_key=self._api_key, config_home=str(self._config_home)),
                **dict(self.plan.env)}
         log_path = procs.rotate_logs(self._paths.log_dir, self.plan.engine_id)
         started = self._clock()
-        self._set("starting", reason, tier=tier, argv=tuple(self.adapter.mask_argv(argv)), phase="launching",
+        self._set("starting", reason, tier=tier, argv=tuple(argv), phase="launching",
                   kv_cache_tokens=None, kv_cache_gib=None, max_concurrency=None, context=ContextNumbers(),
                   log_path=str(log_path), pid=None)
         try:

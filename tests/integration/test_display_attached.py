@@ -44,7 +44,7 @@ async def start(engine: EnginePlan, socket_path: Path) -> tuple[int | None, str]
     """Starts the engine's command line bare; (None, output) once it listens, (status, output) if it exits."""
     env = {**engine.environment(os.environ), **engine.env, **standin_card(), "STANDIN_ENGINE_CORE": "0"}
     process = await asyncio.create_subprocess_exec(
-        *engine.argv("k", socket_path=str(socket_path)), env=env,
+        *engine.argv(socket_path=str(socket_path)), env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     assert process.stdout is not None
     lines: list[str] = []
@@ -63,7 +63,7 @@ async def test_without_the_measured_share_vllm_refuses_this_card_and_with_it_sta
         tmp_path: Path, vllm_standin: Path) -> None:
     engine = planned(vllm_standin, model_folder(tmp_path))
     old = dataclasses.replace(engine, memory_utilization=None)  # what the app passed before issue 13
-    assert "--gpu-memory-utilization" not in old.argv("k")
+    assert "--gpu-memory-utilization" not in old.argv()
     status, output = await start(old, tmp_path / "old.sock")
     assert status == 1
     assert ("Free memory on device cuda:0 (21.11/23.99 GiB) on startup is less than desired GPU memory "

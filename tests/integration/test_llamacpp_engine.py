@@ -18,7 +18,7 @@ from worker.config import Paths
 from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 from worker.procs import StopTiming
-from worker.restart_policy import Backoff, SupervisorTiming
+from worker.restart_policy import RestartBackoff, SupervisorTiming
 from worker.supervise import EngineSupervisor
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ async def test_llama_server_lifecycle(llama_server_bin: LlamaServer, tiny_gguf: 
         events.append((snapshot.state, reason))
 
     sup = EngineSupervisor(llama_plan(llama_server_bin, tiny_gguf), paths=Paths.under(tmp_path).ensure(),
-                           on_event=record, timing=TIMING, backoff=Backoff(initial_s=0.01, maximum_s=0.05),
+                           on_event=record, timing=TIMING, backoff=RestartBackoff(initial_s=0.01, maximum_s=0.05),
                            base_env=llama_server_bin.environment())
     await sup.start()
     try:

@@ -94,7 +94,7 @@ async def test_leftover_engine_is_reaped_when_the_engine_starts_again(tmp_path: 
     plan = EnginePlan(engine_id="e0", engine="vllm", gpu_indices=(0,), layout="single", memory_mib=1, tier=None,
                       args=("--enforce-eager",), fallbacks=(), port=free_port(), env={},
                       executable=(str(VLLM_STANDIN),), model="/models/m", served_name="m")
-    old = leftover_engine(plan.argv("old-key"), paths)
+    old = leftover_engine(plan.argv(), paths)
     sup = EngineSupervisor(plan, paths=paths, timing=SupervisorTiming(poll_s=0.05, ready_timeout_s=20))
     try:
         await sup.start()

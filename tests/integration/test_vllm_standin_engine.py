@@ -25,7 +25,7 @@ from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 from worker.procs import StopTiming
 from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
-from worker.restart_policy import Backoff, SupervisorTiming
+from worker.restart_policy import RestartBackoff, SupervisorTiming
 from worker.supervise import EngineSupervisor, Target
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ FAST = SupervisorTiming(
     ready_timeout_s=10, poll_s=0.05, request_timeout_s=1.0, probe_timeout_s=2.0, health_interval_s=0.1,
     health_timeout_s=1.0, health_failures=2, stable_after_s=30, max_fast_failures=3, output_settle_s=1.0,
     stop=StopTiming(grace_s=2.0, gone_s=2.0, poll_s=0.02))
-TINY_BACKOFF = Backoff(initial_s=0.01, maximum_s=0.05)
+TINY_BACKOFF = RestartBackoff(initial_s=0.01, maximum_s=0.05)
 BASE = ("--max-model-len", "4096", "--enforce-eager")
 TIER_24000 = ("--max-model-len", "8192", "--max-num-seqs", "64")
 TIER_40000 = ("--max-model-len", "16384", "--max-num-seqs", "128")
@@ -194,7 +194,7 @@ async def test_crash_loop_ends_failed_with_the_last_error_lines(vllm_standin: Pa
 
     sup = EngineSupervisor(standin_plan(vllm_standin, env={"STANDIN_EXIT_AT_START": "3"}),
                            paths=Paths.under(tmp_path).ensure(), on_event=recorder, timing=FAST,
-                           backoff=Backoff(initial_s=2, maximum_s=300), sleep=sleep)
+                           backoff=RestartBackoff(initial_s=2, maximum_s=300), sleep=sleep)
     await sup.start()
     snap = await sup.wait_for_state("failed", timeout=15)
     await sup.stop()

@@ -292,7 +292,7 @@ def test_the_app_owned_flags_come_last_so_the_engine_stays_on_loopback(machines:
     for engine in ENGINES:
         result = plan(machines[engine], Hostile(engine, "safe").assignment(), Settings())
         assert isinstance(result, Plan), result
-        argv = result.engines[0].argv("key")
+        argv = result.engines[0].argv()
         hosts = [i for i, arg in enumerate(argv) if arg == "--host"]
         assert len(hosts) == 1 and argv[hosts[0] + 1] == "127.0.0.1" and hosts[0] > len(argv) - 8
 

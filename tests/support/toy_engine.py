@@ -25,6 +25,7 @@ from worker.engines import layout
 from worker.engines.allowlist import AllowedFlag, Allowlist, IntValue
 from worker.engines.base import (
     Endpoint,
+    Launch,
     Listening,
     LogFact,
     ModelFormat,
@@ -67,11 +68,9 @@ _LOADING = re.compile(r"^toy: loading (\S+)")
 _LISTENING = re.compile(r"^toy: serving on (\S+)")
 
 
-def command(executable: Sequence[str], model: str, args: Sequence[str], *, port: int, api_key: str,
-            served_name: str, tensor_parallel: int = 1, socket_path: str | None = None,
-            memory_utilization: float | None = None) -> list[str]:
-    listen = ["--socket", socket_path] if socket_path is not None else ["--port", str(port)]
-    return [*executable, "--model", model, *args, "--served-name", served_name, *listen]
+def command(launch: Launch) -> list[str]:
+    listen = ["--socket", launch.socket_path] if launch.socket_path is not None else ["--port", str(launch.port)]
+    return [*launch.executable, "--model", launch.model, *launch.args, "--served-name", launch.served_name, *listen]
 
 
 def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
@@ -81,10 +80,6 @@ def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key:
     if api_key is not None:
         env[KEY_VARIABLE] = api_key
     return env
-
-
-def mask_argv(argv: Sequence[str]) -> list[str]:
-    return list(argv)  # the key is never on its command line
 
 
 def parse_line(line: str) -> LogFact | None:

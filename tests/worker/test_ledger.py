@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -269,3 +270,26 @@ async def test_books_read_earnings_in_the_users_currency_and_chart_points_withou
     assert books.use(lambda ledger: ledger.series("tokens_per_s", now - 1, now)) == [(float(int(now)), 42.0)]
     assert books.use(lambda ledger: ledger.series("kv_usage", now - 1, now)) == []
     await books.close()
+
+
+async def test_chart_history_is_served_from_memory_and_survives_a_restart(tmp_path: Path, monkeypatch) -> None:
+    """The dashboard asks for its charts every second on the GUI thread: never through SQLite."""
+    now = time.time()
+    first = Books(tmp_path / "ledger.sqlite3", lambda: "USD")
+    first.open()
+    for second in range(5):
+        first.record_samples([("tokens_per_s", 10.0 + second), ("gpu_util", None)], now - 5 + second)
+    await first.close()
+
+    again = Books(tmp_path / "ledger.sqlite3", lambda: "USD")
+    again.open()  # the last hour comes back from the file, once, off the GUI thread
+    again.record_samples([("tokens_per_s", 99.0)], now)
+
+    def no_sqlite(*args: object, **kwargs: object) -> None:
+        raise AssertionError("chart history read SQLite")
+
+    monkeypatch.setattr(Ledger, "series", no_sqlite)
+    points = again.chart("tokens_per_s", int(now) - 3)
+    assert [v for _, v in points] == [12.0, 13.0, 14.0, 99.0]
+    assert again.chart("gpu_util", now - 60) == [] and again.chart("never", now - 60) == []
+    await again.close()

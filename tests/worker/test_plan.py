@@ -69,7 +69,7 @@ def test_two_4090s_with_the_27b_model_run_one_tensor_parallel_engine():
     assert engine.args == tuple(BASE + TIER_40)
     assert engine.fallbacks == (("24000", tuple(BASE + TIER_24)), (None, tuple(BASE)))
     assert engine.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
-    assert engine.argv("key-1") == [
+    assert engine.argv() == [
         "vllm", "serve", "org/Qwen3.8-27B-W4A16", *BASE, *TIER_40, "--tensor-parallel-size", "2",
         "--gpu-memory-utilization", "0.838", "--host", "127.0.0.1", "--port", "18100",
         "--served-model-name", "qwen3.8-27b",
@@ -79,7 +79,7 @@ def test_two_4090s_with_the_27b_model_run_one_tensor_parallel_engine():
 def test_fallback_argv_and_lowest_tier_falls_back_to_base_alone():
     (engine,) = plan(replay("rtx5090.json"), assign(17800), Settings()).engines
     assert engine.fallbacks == ((None, tuple(BASE)),)
-    retry = engine.argv("k", args=engine.fallbacks[0][1])
+    retry = engine.argv(args=engine.fallbacks[0][1])
     assert retry[3:6] == BASE and "--no-enforce-eager" not in retry
 
 
@@ -111,7 +111,7 @@ def test_apple_silicon_gets_llama_cpp_over_the_working_set():
     assert isinstance(result, Plan) and result.engine == "llamacpp"
     (engine,) = result.engines
     assert (engine.gpu_indices, engine.layout, engine.memory_mib, engine.tier) == ((), "single", 98304, "40000")
-    assert engine.argv("k") == [
+    assert engine.argv() == [
         "llama-server", "-m", "/cache/q.gguf", "--ctx-size", "32768", "--ctx-size", "65536", "--fit", "off",
         "--host", "127.0.0.1", "--port", "18100", "--alias", "qwen3.8-27b", "--metrics",
     ]
@@ -121,9 +121,9 @@ def test_apple_silicon_gets_llama_cpp_over_the_working_set():
 def test_the_detected_engine_binary_is_used():
     machine = replace(replay("no-gpu.json"), engines={"llamacpp": EngineInstall("b6153", "/opt/llama/llama-server")})
     (engine,) = plan(machine, assign(6000), Settings()).engines
-    assert engine.argv("k")[0] == "/opt/llama/llama-server"
+    assert engine.argv()[0] == "/opt/llama/llama-server"
     (explicit,) = plan(machine, assign(6000), Settings(), executable=["/x/llama-server"]).engines
-    assert explicit.argv("k")[0] == "/x/llama-server"
+    assert explicit.argv()[0] == "/x/llama-server"
 
 
 def test_cpu_machine_gets_llama_cpp_over_ram():
@@ -289,7 +289,7 @@ def test_a_cap_leaves_the_args_and_is_recorded():
     engine = only_engine(plan(replay("rtx5090.json"), assign(17800, vllm={"base_args": [CAP, "0.9", *BASE]}), Settings()))
     assert engine.memory_cap == 0.9 and engine.args == tuple(BASE + TIER_24)
     assert CAP not in engine.args and all(CAP not in args for _, args in engine.fallbacks)
-    argv = engine.argv("k")
+    argv = engine.argv()
     assert argv.count(CAP) == 1 and argv[argv.index(CAP) + 1] == "0.849"  # measured 27,715 / 32,607 < the cap
     assert engine.fallbacks == ((None, tuple(BASE)),)
 
@@ -354,7 +354,7 @@ def test_engine_plan_is_frozen():
 # --- the memory share vLLM is told (contract, Assignment rule 3) ------------------------------------
 
 def utilization_flag(engine: EnginePlan, args: tuple[str, ...] | None = None) -> str:
-    argv = engine.argv("k", args)
+    argv = engine.argv(args)
     assert argv.count(CAP) == 1, argv
     return argv[argv.index(CAP) + 1]
 
@@ -401,7 +401,7 @@ def test_every_retry_runs_with_the_same_share():
 
 def test_the_share_flag_is_among_the_app_owned_flags_after_the_assignments_args():
     engine = only_engine(plan(replay("rtx4090-desktop.json"), assign(6000), Settings()))
-    argv = engine.argv("k", socket_path="/run/e0.sock")
+    argv = engine.argv(socket_path="/run/e0.sock")
     assert argv[len(argv) - 8:] == [CAP, "0.771", "--host", "127.0.0.1", "--uds", "/run/e0.sock",
                                     "--served-model-name", "qwen3.8-27b"]
 
@@ -409,8 +409,8 @@ def test_the_share_flag_is_among_the_app_owned_flags_after_the_assignments_args(
 def test_llama_cpp_is_told_no_share_and_runs_without_fit():
     group = GpuGroup((0,), "NVIDIA GeForce RTX 4090", 20600, compute_capability="8.9")
     engine = only_engine(plan(_machine("windows", (group,)), assign(6000), Settings()))
-    assert engine.memory_utilization is None and CAP not in engine.argv("k")
-    assert engine.argv("k")[-9:-7] == ["--fit", "off"]
+    assert engine.memory_utilization is None and CAP not in engine.argv()
+    assert engine.argv()[-9:-7] == ["--fit", "off"]
 
 
 # --- vLLM under WSL2 (engines.md A8) -----------------------------------------------------------------

@@ -23,7 +23,7 @@ from worker.events import ContextNumbers, EngineSnapshot
 from worker.plan import EnginePlan
 from worker.restart_policy import (
     AttemptFacts,
-    Backoff,
+    RestartBackoff,
     Ended,
     Step,
     SupervisorTiming,
@@ -33,7 +33,7 @@ from worker.restart_policy import (
 )
 
 TIMING = SupervisorTiming(max_fast_failures=3)
-BACKOFF = Backoff()
+BACKOFF = RestartBackoff()
 
 
 def plan(engine: str = "vllm", *, tier: str | None = "40000", fallbacks: tuple = ()) -> EnginePlan:
@@ -48,7 +48,7 @@ def step(ended: Ended, *, option: int = 0, options: int = 1, fast: int = 1):
 
 
 def test_backoff_doubles_from_two_seconds_to_five_minutes() -> None:
-    assert [Backoff().delay(n) for n in (1, 2, 3, 4, 8, 9, 30)] == [2, 4, 8, 16, 256, 300, 300]
+    assert [RestartBackoff().delay(n) for n in (1, 2, 3, 4, 8, 9, 30)] == [2, 4, 8, 16, 256, 300, 300]
 
 
 def test_start_options_are_the_plan_then_the_next_tier_then_base() -> None:

@@ -21,7 +21,6 @@ if TYPE_CHECKING:  # the hardware and provision packages import the engines, nev
     from worker.provision.releases import Releases
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-MASK = "***"
 
 
 @dataclass(frozen=True)
@@ -153,6 +152,21 @@ ModelFormat = Literal["folder", "gguf"]  # a model folder (config.json) or Huggi
 SeriesLabels = Callable[[str], list[Mapping[str, str]]]  # the label sets of one /metrics family, by name
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What one engine process is started with; each adapter turns it into its own command line.
+    The API key is not here: it travels in the environment, never on a command line."""
+
+    executable: tuple[str, ...]
+    model: str
+    args: tuple[str, ...]
+    served_name: str
+    port: int
+    tensor_parallel: int = 1
+    socket_path: str | None = None  # listen on this Unix socket instead of the port
+    memory_utilization: float | None = None  # the share of each card the plan measured as usable
+
+
 class EngineAdapter(Protocol):
     """What every engine package provides: how it is started and read, where it runs, how it lays
     out GPUs, what its /metrics and log say, and how it is found and provisioned."""
@@ -170,24 +184,10 @@ class EngineAdapter(Protocol):
     METRIC_NAMES: Mapping[str, tuple[str, ...]]  # `EngineMetrics` quantity → series names, newest first
     READY_READS: tuple[str, ...]  # paths read once ready, for `ready_snapshot`
 
-    def command(
-        self,
-        executable: Sequence[str],
-        model: str,
-        args: Sequence[str],
-        *,
-        port: int,
-        api_key: str,
-        served_name: str,
-        tensor_parallel: int = 1,
-        socket_path: str | None = None,
-        memory_utilization: float | None = None,
-    ) -> list[str]: ...
+    def command(self, launch: Launch) -> list[str]: ...
 
     def environment(self, base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
                     config_home: str | None = None) -> dict[str, str]: ...
-
-    def mask_argv(self, argv: Sequence[str]) -> list[str]: ...
 
     def parse_line(self, line: str) -> LogFact | None: ...
 
@@ -225,34 +225,6 @@ class EngineAdapter(Protocol):
 def clean_line(line: str) -> str:
     """A log line without colour codes, carriage returns or the trailing newline."""
     return ANSI_ESCAPE.sub("", line).replace("\r", "").rstrip("\n")
-
-
-def option_name(arg: str) -> str | None:
-    """`--Max_Model=1` → `--max-model`; None for values, including negative numbers like `-1`."""
-    if not arg.startswith("-") or arg == "-" or re.match(r"^-\d", arg):
-        return None
-    name = arg.split("=", 1)[0]
-    dashes = len(name) - len(name.lstrip("-"))
-    return name[:dashes] + name[dashes:].replace("_", "-")
-
-
-def mask_values(argv: Sequence[str], secret_flags: frozenset[str], *, many: bool) -> list[str]:
-    """Hide the value after each secret flag (and `--flag=value`); `many` for nargs='+' flags."""
-    masked: list[str] = []
-    hiding = False
-    for arg in argv:
-        name = option_name(arg)
-        if name in secret_flags:
-            masked.append(f"{arg.split('=', 1)[0]}={MASK}" if "=" in arg else arg)
-            hiding = "=" not in arg
-            continue
-        if hiding and name is None:
-            masked.append(MASK)
-            hiding = many
-            continue
-        hiding = False
-        masked.append(arg)
-    return masked
 
 
 # Never inherited by a child (engine or version probe): the provider's token, an engine key that

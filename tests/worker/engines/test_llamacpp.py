@@ -6,6 +6,7 @@ import pytest
 
 from worker.engines import get_adapter, llamacpp
 from worker.engines.base import (
+    Launch,
     ContextSize,
     EngineVersion,
     KvCachePart,
@@ -81,27 +82,27 @@ def test_every_kv_cache_of_a_start_is_reported(fixture, parts):
 
 
 def test_command():
-    argv = llamacpp.command(
+    argv = llamacpp.command(Launch(
         ["/opt/llama/llama-server"], "/models/q.gguf", ["--ctx-size", "32768"],
-        port=18101, api_key="k-9", served_name="qwen", tensor_parallel=2,
-    )
+        port=18101, served_name="qwen", tensor_parallel=2,
+    ))
     assert argv == [
         "/opt/llama/llama-server", "-m", "/models/q.gguf", "--ctx-size", "32768", "--fit", "off",
         "--host", "127.0.0.1", "--port", "18101", "--alias", "qwen", "--metrics",
-    ]  # --fit off: a context that does not fit fails (and falls back a tier) instead of leaving the GPU  # the key is never on the command line: any local user can read it there
+    ]  # --fit off: a context that does not fit fails (and falls back a tier); no key: it travels in the environment
 
 
 def test_command_on_a_unix_socket():
-    argv = llamacpp.command(["llama-server"], "/m.gguf", [], port=18101, api_key="k-9", served_name="qwen",
-                            socket_path="/run/engines/e0.sock")
+    argv = llamacpp.command(Launch(["llama-server"], "/m.gguf", [], port=18101, served_name="qwen",
+                            socket_path="/run/engines/e0.sock"))
     assert argv == ["llama-server", "-m", "/m.gguf", "--fit", "off", "--host", "/run/engines/e0.sock",
                     "--alias", "qwen", "--metrics"]
 
 
 def test_a_memory_share_changes_nothing_for_llama_cpp():
-    plain = llamacpp.command(["llama-server"], "/m.gguf", ["-c", "4096"], port=1, api_key="k", served_name="q")
-    told = llamacpp.command(["llama-server"], "/m.gguf", ["-c", "4096"], port=1, api_key="k", served_name="q",
-                            memory_utilization=0.8)
+    plain = llamacpp.command(Launch(["llama-server"], "/m.gguf", ["-c", "4096"], port=1, served_name="q"))
+    told = llamacpp.command(Launch(["llama-server"], "/m.gguf", ["-c", "4096"], port=1, served_name="q",
+                            memory_utilization=0.8))
     assert told == plain and "--gpu-memory-utilization" not in told
 
 
@@ -119,12 +120,6 @@ def test_environment_carries_the_key_and_points_config_lookup_at_the_apps_folder
     assert env["LLAMA_API_KEY"] == "k-9" and env["XDG_CONFIG_HOME"] == "/data/run/engines" and "APPDATA" not in env
     windows = llamacpp.environment({"APPDATA": r"C:\Users\u\AppData\Roaming"}, [0], config_home=r"C:\gp\run\engines")
     assert windows["APPDATA"] == r"C:\gp\run\engines"
-
-
-def test_mask_argv():
-    assert llamacpp.mask_argv(["llama-server", "--api-key", "k", "--alias", "n"]) == [
-        "llama-server", "--api-key", "***", "--alias", "n"
-    ]
 
 
 def test_endpoints_that_need_the_key():

@@ -144,7 +144,7 @@ async def test_a_third_engine_runs_plan_supervise_metrics_through_its_adapter(to
     assert (engine_plan.layout, engine_plan.tier, engine_plan.args) == ("single", "1", ("--slots", "3", "--slots", "5"))
     assert engine_plan.env["TOY_RUNTIME"] == "cpu" and engine_plan.memory_utilization is None
     assert result.warnings == ("tier 1: the toy engine runs --slots 3 --slots 5 (base: --slots 3)",)
-    assert engine_plan.argv("KEY")[:3] == list(toy_engine.DEFAULT_EXECUTABLE)
+    assert engine_plan.argv()[:3] == list(toy_engine.DEFAULT_EXECUTABLE)
 
     phases: list[str | None] = []
     supervisor = EngineSupervisor(engine_plan, paths=Paths.under(tmp_path).ensure(),

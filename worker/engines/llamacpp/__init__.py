@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from worker.engines import layout
-from worker.engines.base import Endpoint, ModelFormat, cuda_environment, mask_values
+from worker.engines.base import Endpoint, Launch, ModelFormat, cuda_environment
 from worker.engines.layout import Unit
 from worker.engines.llamacpp import args as llamacpp_args
 from worker.engines.llamacpp.log import parse_line
@@ -44,32 +44,21 @@ ENDPOINTS: Mapping[str, Endpoint] = {
     "slots": Endpoint("/slots", needs_api_key=True),
 }
 
-_SECRET_FLAGS = frozenset({"--api-key"})
 
 
-def command(
-    executable: Sequence[str],
-    model: str,
-    args: Sequence[str],
-    *,
-    port: int,
-    api_key: str,
-    served_name: str,
-    tensor_parallel: int = 1,
-    socket_path: str | None = None,
-    memory_utilization: float | None = None,
-) -> list[str]:
+def command(launch: Launch) -> list[str]:
     """`llama-server -m MODEL ARGS…` with the app-owned flags last; it splits layers over the GPUs
-    it sees by itself, so `tensor_parallel` needs no flag, and it has no memory share to be told,
-    so `memory_utilization` is unused.
+    it sees by itself, so `tensor_parallel` needs no flag, and it has no memory share to be told.
 
     `--fit off` (contract, Assignment rule 3): with fit on, a context that does not fit is silently
     shrunk or moved off the GPU; off, it fails to allocate, which the supervisor sees and answers
     with a lower tier. A `--host` value ending in `.sock` is a Unix socket (the port is then unused).
     The API key is not here: any local user can read a command line, so it travels in the
-    environment (`environment`); `api_key` is accepted so that callers need not change."""
-    listen = ["--host", socket_path] if socket_path is not None else ["--host", "127.0.0.1", "--port", str(port)]
-    return [*executable, "-m", model, *args, "--fit", "off", *listen, "--alias", served_name, "--metrics"]
+    environment (`environment`)."""
+    listen = (["--host", launch.socket_path] if launch.socket_path is not None
+              else ["--host", "127.0.0.1", "--port", str(launch.port)])
+    return [*launch.executable, "-m", launch.model, *launch.args, "--fit", "off", *listen,
+            "--alias", launch.served_name, "--metrics"]
 
 
 def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
@@ -86,10 +75,6 @@ def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key:
         if "APPDATA" in env:
             env["APPDATA"] = config_home
     return env
-
-
-def mask_argv(argv: Sequence[str]) -> list[str]:
-    return mask_values(argv, _SECRET_FLAGS, many=False)
 
 
 def units(machine: Machine, weights_mib: int, cap: float | None) -> list[Unit] | str:
@@ -137,6 +122,6 @@ def build_number(build: str) -> int:
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "MEMORY_SHARE", "METRICS_PREFIX",
     "METRIC_NAMES", "MODEL_FORMAT", "NAME", "READY_READS", "RUNTIMES", "build_number", "capacity", "command",
-    "derive_metrics", "environment", "find_installed", "mask_argv", "normalise_version", "parse_line",
+    "derive_metrics", "environment", "find_installed", "normalise_version", "parse_line",
     "ready_snapshot", "runtime_environment", "shipped_versions", "tier_warning", "units",
 ]

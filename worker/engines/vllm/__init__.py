@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from worker.engines.base import Endpoint, ModelFormat, Slots, cuda_environment, mask_values
+from worker.engines.base import Endpoint, Launch, ModelFormat, Slots, cuda_environment
 from worker.engines.vllm import args as vllm_args
 from worker.engines.vllm.log import parse_line
 from worker.engines.vllm.metrics import NAMES as METRIC_NAMES
@@ -42,7 +42,6 @@ ENDPOINTS: Mapping[str, Endpoint] = {
     "version": Endpoint("/version", needs_api_key=False),
 }
 
-_SECRET_FLAGS = frozenset({"--api-key"})
 # Inherited variables that would change the API key, the log format we parse, or open dev endpoints.
 _DROPPED_ENV = frozenset(
     {"VLLM_API_KEY", "VLLM_PORT", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING",
@@ -50,18 +49,7 @@ _DROPPED_ENV = frozenset(
 )
 
 
-def command(
-    executable: Sequence[str],
-    model: str,
-    args: Sequence[str],
-    *,
-    port: int,
-    api_key: str,
-    served_name: str,
-    tensor_parallel: int = 1,
-    socket_path: str | None = None,
-    memory_utilization: float | None = None,
-) -> list[str]:
+def command(launch: Launch) -> list[str]:
     """`vllm serve MODEL ARGS…` with the app-owned flags last, so they win over anything before.
 
     `--gpu-memory-utilization` is the share of each card the plan measured as usable (contract,
@@ -69,12 +57,13 @@ def command(
     desktop holds more than 8 %. `--uds PATH` (a Unix socket) replaces the port where the platform
     has one; `--host 127.0.0.1` stays either way, as vLLM's default host is every interface. The API
     key is not here: any local user can read a command line, so it travels in the environment
-    (`environment`); `api_key` is accepted so that callers need not change."""
-    parallel = ["--tensor-parallel-size", str(tensor_parallel)] if tensor_parallel > 1 else []
-    memory = [] if memory_utilization is None else ["--gpu-memory-utilization", f"{memory_utilization:g}"]
-    listen = ["--uds", socket_path] if socket_path is not None else ["--port", str(port)]
-    return [*executable, "serve", model, *args, *parallel, *memory, "--host", "127.0.0.1", *listen,
-            "--served-model-name", served_name]
+    (`environment`)."""
+    parallel = ["--tensor-parallel-size", str(launch.tensor_parallel)] if launch.tensor_parallel > 1 else []
+    share = launch.memory_utilization
+    memory = [] if share is None else ["--gpu-memory-utilization", f"{share:g}"]
+    listen = ["--uds", launch.socket_path] if launch.socket_path is not None else ["--port", str(launch.port)]
+    return [*launch.executable, "serve", launch.model, *launch.args, *parallel, *memory, "--host", "127.0.0.1",
+            *listen, "--served-model-name", launch.served_name]
 
 
 def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
@@ -92,11 +81,6 @@ def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key:
     if config_home is not None:
         env["XDG_CONFIG_HOME"] = config_home
     return env
-
-
-def mask_argv(argv: Sequence[str]) -> list[str]:
-    """The command line as shown in status and logs: `--api-key` takes one or more values (nargs +)."""
-    return mask_values(argv, _SECRET_FLAGS, many=True)
 
 
 def ready_snapshot(reads: Mapping[str, Any], snapshot: EngineSnapshot, slots: Slots | None) -> EngineSnapshot:
@@ -121,6 +105,6 @@ def normalise_version(version: str) -> str:
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "MEMORY_SHARE", "METRICS_PREFIX",
     "METRIC_NAMES", "MODEL_FORMAT", "NAME", "READY_READS", "RUNTIMES", "capacity", "command", "derive_metrics",
-    "environment", "find_installed", "mask_argv", "normalise_version", "parse_line", "ready_snapshot",
+    "environment", "find_installed", "normalise_version", "parse_line", "ready_snapshot",
     "runtime_environment", "serves_group", "shipped_versions", "tier_warning", "units",
 ]
