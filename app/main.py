@@ -42,14 +42,12 @@ SHOW_MESSAGE = b"show\n"
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The node's options (shared with `gpu-provider run`) plus the window's own."""
-    from worker.cli import InputError, node_options, parse_engine_bins
+    from worker.cli import InputError, desktop_options, node_options, parse_engine_bins
 
     parser = argparse.ArgumentParser(
-        prog="gpu-provider", description="GPU Provider desktop app", parents=[node_options()]
+        prog="gpu-provider", description="GPU Provider desktop app", parents=[node_options(), desktop_options()]
     )
     parser.add_argument("--data-dir", help="keep settings, models and logs under this folder")
-    parser.add_argument("--quit-after", type=float, metavar="SECONDS", help="quit after this long (smoke tests)")
-    parser.add_argument("--minimized", action="store_true", help="start in the tray without opening the window")
     args = parser.parse_args(list(argv))
     try:
         args.engine_bins = parse_engine_bins(args.engine_bin)

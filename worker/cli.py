@@ -43,8 +43,9 @@ def build_parser() -> CommandLine:
     )
     parser = CommandLine(
         prog="gpu-provider",
-        description="Lend this machine's GPUs to an inference network. Without a command, opens the desktop app.",
-        parents=[data_dir],
+        description="Lend this machine's GPUs to an inference network. Without a command, opens the desktop app, "
+        "which takes the node's options below and --minimized / --quit-after.",
+        parents=[data_dir, node_options(), desktop_options()],
     )
     parser.add_argument("--version", action="version", version=f"gpu-provider {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser)
@@ -90,6 +91,15 @@ def build_parser() -> CommandLine:
     status.set_defaults(handler=run_status)
     parser.command_names = frozenset(commands.choices)
     return parser
+
+
+def desktop_options() -> argparse.ArgumentParser:
+    """The desktop app's own options (listed in `gpu-provider --help` with the node's)."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--minimized", action="store_true", help="desktop app: start in the tray, window closed")
+    options.add_argument("--quit-after", type=float, metavar="SECONDS",
+                         help="desktop app: quit after this long (smoke tests)")
+    return options
 
 
 def node_options() -> argparse.ArgumentParser:

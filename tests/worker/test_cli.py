@@ -170,3 +170,15 @@ def test_python_m_worker_without_a_command_never_loads_the_gui(tmp_path):
 ])
 def test_desktop_arguments_tell_the_launcher_which_command_lines_are_the_apps(argv, desktop):
     assert cli.desktop_arguments(argv) == desktop
+
+
+def test_help_lists_every_flag_the_desktop_app_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpu-provider --help` is where a person looks; it used to list no app flag, and
+    `gpu-provider --coordinator local --help` failed."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--coordinator", "local", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    app_flags = {"--coordinator", "--hardware", "--engine-bin", "--model", "--openai-port", "--verbose",
+                 "--minimized", "--quit-after", "--data-dir"}
+    assert {flag for flag in app_flags if flag in text} == app_flags
