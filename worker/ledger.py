@@ -418,6 +418,8 @@ class Books:
     def _close(self) -> None:
         with self._guard:
             ledger, self._ledger = self._ledger, None
+        with self._charts_lock:
+            self._charts = {}  # closed books show nothing, from memory or from the file
         if ledger is not None:
             ledger.close()
 

@@ -293,3 +293,4 @@ async def test_chart_history_is_served_from_memory_and_survives_a_restart(tmp_pa
     assert [v for _, v in points] == [12.0, 13.0, 14.0, 99.0]
     assert again.chart("gpu_util", now - 60) == [] and again.chart("never", now - 60) == []
     await again.close()
+    assert again.chart("tokens_per_s", now - 60) == []  # closed: nothing shown
