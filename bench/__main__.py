@@ -1,6 +1,6 @@
 """Run the benchmarks, print one table of figures beside their targets, and save it as JSON.
 
-`python -m bench [--quick] [--only relay,detect,node] [--profile]`
+`python -m bench [--quick] [--only relay,detect,node] [--batch] [--profile]`
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="run the relay's node side under cProfile (stats in bench/results/relay-*.prof)")
     parser.add_argument("--levels", default="1,32,128,256", help="relay concurrency levels")
+    parser.add_argument("--batch", action="store_true",
+                        help="the coordinator offers `batch`: the node packs messages into shared frames")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(SECTIONS)
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     profiles: list[Path] = []
     if "relay" in only:
         profile = RESULTS.parent / "relay.prof" if args.profile else None
-        changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile}
+        changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile, "batch": args.batch}
         settings = relay.RelaySettings.quick(**changes) if args.quick else relay.RelaySettings(**changes)
         found, details["relay"] = asyncio.run(relay.measure(settings))
         figures += found

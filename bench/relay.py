@@ -60,6 +60,7 @@ class RelaySettings:
     paced_delay_s: float = 0.02
     ramp_s: float = 1.0  # latency runs: stream starts spread over this, as requests arrive in service
     profile: Path | None = None
+    batch: bool = False  # the coordinator's welcome lists "batch" (`--batch`); off: one frame per message
 
     @classmethod
     def quick(cls, **changes: Any) -> RelaySettings:
@@ -148,11 +149,11 @@ def node_command(url: str, engine_url: str, cpus: str, profile: Path | None) -> 
 
 
 @asynccontextmanager
-async def rig(*, tokens: int, token_delay_s: float, profile: Path | None) -> AsyncIterator[Rig]:
+async def rig(*, tokens: int, token_delay_s: float, profile: Path | None, batch: bool = False) -> AsyncIterator[Rig]:
     node_cpu, other_cpus = cpu_split()
     engine, engine_url = await _child([sys.executable, "-m", "bench.stamped_engine", "--tokens", str(tokens),
                                        "--token-delay", str(token_delay_s), "--cpus", other_cpus])
-    coordinator = await ReferenceCoordinator(token=TOKEN, ping_interval=None).start()
+    coordinator = await ReferenceCoordinator(token=TOKEN, ping_interval=None, batch=batch).start()
     node = await asyncio.create_subprocess_exec(*node_command(coordinator.url, engine_url, node_cpu, profile),
                                                 cwd=ROOT, stdout=asyncio.subprocess.DEVNULL)
     http = LoopbackClient()
@@ -264,9 +265,10 @@ async def measure(settings: RelaySettings) -> tuple[list[Figure], dict[str, Any]
 
 
 async def _measure(settings: RelaySettings) -> tuple[list[Figure], dict[str, Any]]:
-    async with rig(tokens=settings.tokens, token_delay_s=0.0, profile=settings.profile) as fast:
+    async with rig(tokens=settings.tokens, token_delay_s=0.0, profile=settings.profile, batch=settings.batch) as fast:
         throughput = await _levels(fast, settings, settings.tokens, settings.budget)
-    async with rig(tokens=settings.paced_tokens, token_delay_s=settings.paced_delay_s, profile=None) as paced:
+    async with rig(tokens=settings.paced_tokens, token_delay_s=settings.paced_delay_s, profile=None,
+                   batch=settings.batch) as paced:
         latency = await _levels(paced, settings, settings.paced_tokens, None)
     details: dict[str, Any] = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()},

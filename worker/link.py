@@ -10,6 +10,10 @@ Frame size: the protocol caps frames at 16 MiB and promises an `error` reply, no
 connection, for a frame over it. websockets closes with 1009 on a message over its `max_size`,
 so its limit is set to 4 × 16 MiB and the parser refuses what lies between with `bad_message`;
 only a frame over 64 MiB (no honest coordinator sends one) costs the connection.
+
+Batching: where this connection's `welcome` lists `batch`, the messages sent in one loop iteration
+go out as one `batch` frame, flushed as soon as nothing else is ready (and at 256 messages, 1 MiB
+or 1 ms): at a busy node's token rate, one frame per token event is the relay's limit.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ log = logging.getLogger(__name__)
 
 WEBSOCKET_MAX_SIZE = 4 * protocol.MAX_FRAME_BYTES
 TAKEN_OVER_PAUSE_S = 300.0
+BATCH_MAX_MESSAGES = 256
+BATCH_MAX_CHARS = 1024 * 1024  # of JSON: far under the 16 MiB frame limit
+BATCH_MAX_WAIT_S = 0.001  # the protocol's bound on how long a batch may hold a message
 
 MessageHandler = Callable[[Any], Awaitable[None]]
 Send = Callable[[BaseModel], Awaitable[bool]]
@@ -91,6 +98,27 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class _Batch:
+    """Messages for one frame, gathered in one loop iteration; `sent` tells each of their senders
+    whether the frame went out."""
+
+    def __init__(self, ws: ClientConnection, opened_at: float) -> None:
+        self.ws = ws
+        self.opened_at = opened_at
+        self.frames: list[str] = []
+        self.chars = 0
+        self.closed = False
+        self.sent: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    def add(self, frame: str) -> None:
+        self.frames.append(frame)
+        self.chars += len(frame)
+
+    def full(self, now: float) -> bool:
+        return (len(self.frames) >= BATCH_MAX_MESSAGES or self.chars >= BATCH_MAX_CHARS
+                or now - self.opened_at >= BATCH_MAX_WAIT_S)
 
 
 @dataclass(frozen=True)
@@ -152,6 +180,9 @@ class Link:
         self._on_disconnect = on_disconnect
         self._on_bad_message = on_bad_message
         self._ws: ClientConnection | None = None
+        self._batching = False  # this connection's welcome lists "batch"
+        self._batch: _Batch | None = None  # the one still taking messages
+        self._flushes: set[asyncio.Task[None]] = set()
         self._generation = 0
         self._closing = False
         self._running = False  # a `run()` loop is in progress
@@ -233,11 +264,54 @@ class Link:
         ws = self._ws
         if ws is None or (generation is not None and generation != self._generation):
             return False
+        if self._batching:
+            return await self._send_batched(ws, protocol.encode(message))
         try:
             await ws.send(protocol.encode(message))
         except ConnectionClosed:
             return False
         return True
+
+    async def _send_batched(self, ws: ClientConnection, frame: str) -> bool:
+        """Joins this iteration's batch (the first send of an iteration opens it and schedules its
+        flush for when nothing else is ready). Shielded: a sender cancelled while it waits must not
+        cancel the answer its batch-mates wait for."""
+        loop = asyncio.get_running_loop()
+        batch = self._batch
+        if batch is None or batch.ws is not ws:
+            batch = self._batch = _Batch(ws, loop.time())
+            loop.call_soon(self._flush, batch)
+        batch.add(frame)
+        if batch.full(loop.time()):
+            self._flush(batch)
+        return await asyncio.shield(batch.sent)
+
+    def _flush(self, batch: _Batch) -> None:
+        """Closes `batch` to new messages and sends it; batches start sending in the order they were
+        closed, and websockets writes a frame before its first await, so order is kept."""
+        if batch.closed:  # a full batch, flushed before its scheduled flush came
+            return
+        batch.closed = True
+        if self._batch is batch:
+            self._batch = None
+        task = asyncio.get_running_loop().create_task(self._send_batch(batch))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _send_batch(self, batch: _Batch) -> None:
+        frames = batch.frames
+        frame = frames[0] if len(frames) == 1 else protocol.encode_batch(frames)
+        try:
+            await batch.ws.send(frame)
+        except ConnectionClosed:
+            batch.sent.set_result(False)
+        except asyncio.CancelledError:
+            batch.sent.cancel()
+            raise
+        except Exception as exc:  # as an unbatched send would raise it to its caller
+            batch.sent.set_exception(exc)
+        else:
+            batch.sent.set_result(True)
 
     def sender(self) -> Send:
         """A `send` bound to the current connection: it answers False once that connection is gone,
@@ -283,6 +357,7 @@ class Link:
         connected_at = self._clock()
         try:
             await ws.send(hello)
+            self._batching = False  # until this connection's welcome says otherwise
             self._ws = ws
             self._set_state("connected")
             async for frame in ws:
@@ -321,6 +396,7 @@ class Link:
             return
         if isinstance(message, protocol.Welcome):
             self.welcome = message
+            self._batching = protocol.BATCH_FEATURE in message.features
         try:
             await self._on_message(message)
         except Exception as exc:

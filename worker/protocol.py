@@ -340,15 +340,30 @@ class Error(_Message):
 
 CoordinatorMessage = Welcome | Assign | Unassign | Pause | Resume | Request | Cancel | Update | Error
 NodeMessage = Hello | Status | ResponseHead | ResponseChunk | ResponseEnd | ResponseError | Error
+
+BATCH_FEATURE = "batch"  # in `Welcome.features`: the coordinator unpacks `Batch` frames
+
+
+class Batch(_Message):
+    """Node messages packed into one frame, in order (see Relay, "Batching"): one frame per loop
+    iteration instead of one per token event. Each element is a message that could be sent alone,
+    so a batch inside a batch is refused."""
+
+    type: Literal["batch"] = "batch"
+    messages: list[Annotated[NodeMessage, Field(discriminator="type")]] = Field(min_length=1)
+
+
 _FROM_COORDINATOR: TypeAdapter[CoordinatorMessage] = TypeAdapter(
     Annotated[CoordinatorMessage, Field(discriminator="type")]
 )
-_FROM_NODE: TypeAdapter[NodeMessage] = TypeAdapter(Annotated[NodeMessage, Field(discriminator="type")])
+_FROM_NODE: TypeAdapter[NodeMessage | Batch] = TypeAdapter(
+    Annotated[NodeMessage | Batch, Field(discriminator="type")]
+)
 _COORDINATOR_TYPES = frozenset(
     {"welcome", "assign", "unassign", "pause", "resume", "request", "cancel", "update", "error"}
 )
 _NODE_TYPES = frozenset(
-    {"hello", "status", "response.head", "response.chunk", "response.end", "response.error", "error"}
+    {"hello", "status", "response.head", "response.chunk", "response.end", "response.error", "error", "batch"}
 )
 _Parsed = TypeVar("_Parsed")
 
@@ -420,14 +435,26 @@ def parse_from_coordinator(frame: str | bytes) -> CoordinatorMessage | Unknown:
     return _parse(frame, _FROM_COORDINATOR, _COORDINATOR_TYPES)
 
 
-def parse_from_node(frame: str | bytes) -> NodeMessage | Unknown:
-    """A frame the coordinator received → a typed message or `Unknown`; raises `BadMessage`."""
+def parse_from_node(frame: str | bytes) -> NodeMessage | Batch | Unknown:
+    """A frame the coordinator received → a typed message, a `Batch` of them, or `Unknown`;
+    raises `BadMessage`."""
     return _parse(frame, _FROM_NODE, _NODE_TYPES)
+
+
+def unpack(message: NodeMessage | Batch | Unknown) -> list[NodeMessage | Unknown]:
+    """The messages one parsed frame carries, in order (a batch's elements, or the message)."""
+    return list(message.messages) if isinstance(message, Batch) else [message]
 
 
 def encode(message: BaseModel) -> str:
     """One message → one text frame (compact JSON; `None` fields kept, as the protocol shows them)."""
     return message.model_dump_json()
+
+
+def encode_batch(encoded: list[str]) -> str:
+    """Messages already `encode`d → one `batch` frame, without decoding and dumping them again
+    (the relay's hot path): the same JSON as `encode(Batch(messages=...))`."""
+    return '{"type":"batch","messages":[' + ",".join(encoded) + "]}"
 
 
 def signed_update_payload(version: str, sha256: str) -> bytes:

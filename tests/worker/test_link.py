@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -71,7 +72,7 @@ async def test_hello_is_the_first_frame_and_carries_the_token(coordinator, runni
     assert coordinator.handshake_headers[0]["Authorization"] == f"Bearer {TOKEN}"
     await node.wait_state("connected")
     await asyncio.sleep(0.05)
-    assert link.welcome == protocol.Welcome(node_id="node-1", heartbeat_s=10.0)
+    assert link.welcome == protocol.Welcome(node_id="node-1", heartbeat_s=10.0, features=["batch"])
     assert isinstance(node.messages[0], protocol.Welcome)
     assert link.generation == 1 and link.connected
 
@@ -345,3 +346,124 @@ async def test_run_while_a_loop_runs_starts_no_second_one(coordinator) -> None:
     assert len(coordinator.hellos) == 2 and not first.done()
     await link.close()
     await asyncio.wait_for(first, 5)
+
+
+# --- batching (protocol: Relay, "Batching") ------------------------------------------------------
+
+
+async def _connected(coordinator: ReferenceCoordinator, running: Callable[..., tuple[Link, Node]]) -> Link:
+    link, node = running(coordinator.url)
+    await coordinator.wait_for_connections(1)
+    async with asyncio.timeout(5):
+        while link.welcome is None:
+            await asyncio.sleep(0.005)
+    return link
+
+
+def _chunks(count: int, request_id: str = "r-1") -> list[protocol.ResponseChunk]:
+    return [protocol.ResponseChunk(id=request_id, data=f"data: {n}\n\n") for n in range(count)]
+
+
+async def test_messages_sent_in_one_iteration_arrive_as_one_batch_frame_in_order(coordinator, running,
+                                                                                   monkeypatch) -> None:
+    monkeypatch.setattr("worker.link.BATCH_MAX_WAIT_S", 60.0)  # a loaded test machine must not split it
+    link = await _connected(coordinator, running)
+    assert link.welcome is not None and link.welcome.features == ["batch"]
+    after = len(coordinator.received)
+    messages = [*_chunks(5), protocol.ResponseEnd(id="r-1")]
+    assert await asyncio.gather(*(link.send(m) for m in messages)) == [True] * 6
+    await coordinator.wait_for("response.end", after=after)
+    assert coordinator.received[after:] == messages
+    assert coordinator.frame_sizes == [6]
+
+
+async def test_a_full_batch_is_flushed_and_the_rest_follows_in_order(coordinator, running, monkeypatch) -> None:
+    monkeypatch.setattr("worker.link.BATCH_MAX_WAIT_S", 60.0)  # only the count cap splits it
+    link = await _connected(coordinator, running)
+    after = len(coordinator.received)
+    messages = _chunks(300)
+    assert all(await asyncio.gather(*(link.send(m) for m in messages)))
+    await coordinator.wait_for(lambda m: m == messages[-1], after=after)
+    assert coordinator.received[after:] == messages
+    assert coordinator.frame_sizes == [256, 44]
+
+
+async def test_a_batch_older_than_1_ms_takes_no_more_messages(coordinator, running) -> None:
+    link = await _connected(coordinator, running)
+    after = len(coordinator.received)
+    messages = _chunks(3)
+
+    async def hold_the_loop() -> bool:
+        time.sleep(0.002)  # the rest of this loop iteration runs 2 ms later
+        return True
+
+    sends = [link.send(messages[0]), hold_the_loop(), link.send(messages[1]), link.send(messages[2])]
+    assert await asyncio.gather(*sends) == [True] * 4
+    await coordinator.wait_for(lambda m: m == messages[-1], after=after)
+    assert coordinator.received[after:] == messages
+    assert coordinator.frame_sizes == [2, 1]  # the message that found the batch too old closed it
+
+
+async def test_a_lone_message_goes_out_at_once_without_waiting_for_a_timer(coordinator, running) -> None:
+    link = await _connected(coordinator, running)
+    loop = asyncio.get_running_loop()
+    ticks = 0
+
+    async def ticker() -> None:  # counts loop iterations while the send is under way
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    counting = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    started, ticks = loop.time(), 0
+    assert await link.send(protocol.ResponseEnd(id="r-1"))
+    elapsed, iterations = loop.time() - started, ticks
+    counting.cancel()
+    await coordinator.wait_for("response.end")
+    # flush callback, the sending task's first step, websockets' drain, the answer, the caller's wake-up
+    assert iterations <= 5, f"the send took {iterations} loop iterations ({elapsed * 1e3:.2f} ms)"
+    assert coordinator.frame_sizes == [1]
+
+
+async def test_without_the_feature_every_message_is_its_own_frame(running) -> None:
+    async with ReferenceCoordinator(token=TOKEN, batch=False) as coordinator:
+        link = await _connected(coordinator, running)
+        assert link.welcome is not None and link.welcome.features == []
+        after = len(coordinator.received)
+        messages = [*_chunks(5), protocol.ResponseEnd(id="r-1")]
+        assert await asyncio.gather(*(link.send(m) for m in messages)) == [True] * 6
+        await coordinator.wait_for("response.end", after=after)
+        assert coordinator.received[after:] == messages
+        assert coordinator.frame_sizes == [1] * 6
+
+
+@pytest.mark.parametrize("batch", [True, False])
+async def test_send_is_false_once_the_connection_dropped_batched_or_not(running, batch: bool) -> None:
+    async with ReferenceCoordinator(token=TOKEN, batch=batch) as coordinator:
+        link = await _connected(coordinator, running)
+        send = link.sender()
+        coordinator.drop_node()
+        await coordinator.wait_for_connections(2)
+        assert await asyncio.gather(*(send(m) for m in _chunks(3))) == [False] * 3  # never onto the next one
+        assert await asyncio.gather(*(link.sender()(m) for m in _chunks(3))) == [True] * 3
+
+
+async def test_a_batch_whose_socket_dies_before_its_flush_answers_false(coordinator, running) -> None:
+    link = await _connected(coordinator, running)
+    sends = [asyncio.create_task(link.send(m)) for m in _chunks(3)]
+    assert link._ws is not None
+    link._ws.transport.abort()  # lost before the batch's frame is written
+    assert await asyncio.gather(*sends) == [False] * 3
+
+
+async def test_a_sender_cancelled_while_its_batch_waits_does_not_lose_its_batch_mates(coordinator, running) -> None:
+    link = await _connected(coordinator, running)
+    after = len(coordinator.received)
+    first, second = (asyncio.create_task(link.send(m)) for m in _chunks(2))
+    await asyncio.sleep(0)  # both joined the batch
+    first.cancel()
+    assert await second
+    await coordinator.wait_for(lambda m: m == _chunks(2)[1], after=after)
+    assert coordinator.received[after:] == _chunks(2)

@@ -182,3 +182,35 @@ def test_parser_raises_only_bad_message_on_arbitrary_objects(kind: str, fields: 
             assert exc.reply().code == "bad_message"
         else:
             assert message.type == kind
+
+
+# --- batching (Relay, "Batching") ---------------------------------------------------------------
+
+
+def test_a_batch_of_node_messages_round_trips_in_order() -> None:
+    messages = [protocol.ResponseHead(id="r-1", status=200), protocol.ResponseChunk(id="r-1", data="data: x\n\n"),
+                protocol.ResponseEnd(id="r-1"), protocol.Error(code="bad_message", ref="r-2")]
+    frame = protocol.encode_batch([protocol.encode(m) for m in messages])
+    assert frame == protocol.encode(protocol.Batch(messages=messages))
+    parsed = protocol.parse_from_node(frame)
+    assert isinstance(parsed, protocol.Batch)
+    assert protocol.unpack(parsed) == messages
+    assert protocol.unpack(messages[0]) == [messages[0]]
+
+
+@pytest.mark.parametrize("inner", [
+    {"type": "batch", "messages": [{"type": "response.end", "id": "r-1"}]},  # a batch inside a batch
+    {"type": "welcome", "node_id": "n"},  # a coordinator message
+    {"type": "response.later", "id": "r-1"},  # a type this version does not know
+    {"type": "response.chunk", "id": "r-1"},  # an element that is not a valid message
+], ids=["nested", "coordinator-type", "unknown-type", "invalid"])
+def test_a_batch_holds_only_node_messages_that_could_be_sent_alone(inner: dict) -> None:
+    frame = json.dumps({"type": "batch", "messages": [{"type": "response.end", "id": "r-0"}, inner]})
+    with pytest.raises(protocol.BadMessage, match="invalid 'batch' message: messages.1"):
+        protocol.parse_from_node(frame)
+
+
+def test_an_empty_batch_is_refused_and_the_coordinator_sends_none() -> None:
+    with pytest.raises(protocol.BadMessage, match="batch"):
+        protocol.parse_from_node('{"type": "batch", "messages": []}')
+    assert isinstance(protocol.parse_from_coordinator('{"type": "batch", "messages": []}'), protocol.Unknown)

@@ -11,6 +11,8 @@ import pytest
 
 from tests.support.fake_engine import Behaviour, FakeEngine
 from worker import protocol
+from worker.link import Link
+from worker.localnet import ReferenceCoordinator
 from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
 from worker.relay_body import MAX_BODY_DEPTH, StreamFilter, media_by_url
 
@@ -494,3 +496,38 @@ async def test_an_engine_on_a_unix_socket_is_relayed_to(tmp_path, http) -> None:
 
 def test_an_engine_target_made_the_old_way_has_no_socket() -> None:
     assert EngineTarget("e0", "http://127.0.0.1:1", "k", "m").socket_path is None
+
+
+async def test_streams_through_a_batching_link_arrive_byte_for_byte_in_order_with_one_terminal(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=200, batch=4)
+    hello = protocol.Hello(node_id="n", app_version="0", engines={},
+                           platform=protocol.PlatformInfo(os="linux", runtime="cpu", arch="x86_64"),
+                           hardware=protocol.HardwareInfo(ram_mib=1, cpu=protocol.CpuInfo(model="c", cores=1)))
+    async with ReferenceCoordinator(token="t") as coordinator:
+        link: Link | None = None
+
+        async def on_message(message: Any) -> None:
+            if isinstance(message, protocol.Request):
+                assert link is not None
+                relay.handle(message, link.sender())
+
+        link = Link(coordinator.url, lambda: "t", lambda: hello, on_message)
+        relay = Relay(link.send, lambda: [target_of(engine)], lambda: None, http=http)
+        running = asyncio.create_task(link.run())
+        try:
+            await coordinator.wait_for_connections(1)
+            await coordinator.wait_for("hello")
+            while link.welcome is None:
+                await asyncio.sleep(0.005)
+            assert link.welcome.features == ["batch"]
+            exchanges = [await coordinator.request(request().body) for _ in range(8)]
+            expected = await direct(engine, http, {"messages": [], "stream": True, "max_tokens": 200})
+            for exchange in exchanges:
+                frames = [f async for f in exchange.frames()]
+                assert isinstance(frames[0], protocol.ResponseHead) and isinstance(frames[-1], protocol.ResponseEnd)
+                assert not any(isinstance(f, TERMINAL) for f in frames[:-1])
+                assert "".join(f.data for f in frames if isinstance(f, protocol.ResponseChunk)) == expected
+            assert max(coordinator.frame_sizes) > 1  # the streams really shared frames
+        finally:
+            await link.close()
+            await running

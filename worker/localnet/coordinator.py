@@ -2,7 +2,8 @@
 
 Local mode (`--coordinator local`) and the tests both run it. It checks the Bearer token,
 answers `hello` with `welcome` (and the assignment it was given), sends `request` frames and
-hands their `response.*` frames back on an `Exchange`. The OpenAI-compatible HTTP side is
+hands their `response.*` frames back on an `Exchange`. Its welcome lists `batch` unless built with
+`batch=False`; a `batch` frame is unpacked, so every consumer sees the node's messages one by one. The OpenAI-compatible HTTP side is
 `openai_endpoint.py`, a client of `request` and `cancel` like any test.
 
 The tests also need a coordinator that misbehaves and remembers: the attributes and methods
@@ -97,6 +98,7 @@ class ReferenceCoordinator:
         ping_interval: float | None = 20.0,
         record: bool = True,
         close_timeout: float = 2.0,
+        batch: bool = True,
     ) -> None:
         self.token = token  # None: any token (or none) is accepted
         self.assign = assign  # sent after welcome to every node that connects
@@ -105,6 +107,7 @@ class ReferenceCoordinator:
         self.reject_with: int | None = None  # close every new connection at once with this code
         self.received: list[Any] = []  # every message from the node, parsed (Unknown included)
         self.bad_frames: list[str] = []  # why frames from the node were refused
+        self.frame_sizes: list[int] = []  # messages per frame from the node after hello (a batch: its length)
         self.handshake_headers: list[dict[str, str]] = []
         self._record = record  # False for long runs (local mode, benchmarks): only hellos are kept
         self._port = port
@@ -113,6 +116,7 @@ class ReferenceCoordinator:
         self._hello_timeout_s = hello_timeout_s
         self._ping_interval = ping_interval
         self._close_timeout = close_timeout
+        self._features = [protocol.BATCH_FEATURE] if batch else []  # False: tests of the unbatched path
         self._server: Server | None = None
         self._node: ServerConnection | None = None
         self._exchanges: dict[str, Exchange] = {}
@@ -283,7 +287,7 @@ class ReferenceCoordinator:
             self._background.add(closing)
             closing.add_done_callback(self._background.discard)
         await ws.send(protocol.encode(protocol.Welcome(
-            node_id=hello.node_id, heartbeat_s=self._heartbeat_s, price=self._price)))
+            node_id=hello.node_id, heartbeat_s=self._heartbeat_s, price=self._price, features=self._features)))
         if self.assign is not None:
             await ws.send(protocol.encode(self.assign))
         async with self._arrived:
@@ -298,12 +302,15 @@ class ReferenceCoordinator:
             self.bad_frames.append(str(exc))
             await ws.send(protocol.encode(exc.reply()))
             return
-        if isinstance(message, _RESPONSES):
-            self._route(message)
+        messages = protocol.unpack(message)  # every consumer sees a batch's messages one by one
+        for each in messages:
+            if isinstance(each, _RESPONSES):
+                self._route(each)
         if not self._record:
             return
         async with self._arrived:
-            self.received.append(message)
+            self.frame_sizes.append(len(messages))
+            self.received.extend(messages)
             self._arrived.notify_all()
 
     def _route(self, message: Any) -> None:

@@ -28,12 +28,13 @@ class LocalCoordinator:
     """The coordinator and its endpoint on 127.0.0.1 (port 8090 unless taken or given)."""
 
     def __init__(self, *, token: str, machine: HasRuntime, model: str | None = None,
-                 openai_port: int | None = None, port: int = 0) -> None:
+                 openai_port: int | None = None, port: int = 0, batch: bool = True) -> None:
         self._token = token
         self._runtime = machine.runtime
         self._model = model
         self._openai_port = openai_port
         self._port = port
+        self._batch = batch  # welcome lists "batch": the node may pack its messages into one frame
         self._coordinator: ReferenceCoordinator | None = None
         self._endpoint: OpenAIEndpoint | None = None
 
@@ -41,7 +42,7 @@ class LocalCoordinator:
         """Builds the assignment (raises `LocalModelError` with what to do) and starts serving."""
         assign = await asyncio.to_thread(local_assignment, self._runtime, self._model)
         coordinator = await ReferenceCoordinator(token=self._token, port=self._port, assign=assign,
-                                                 record=False).start()
+                                                 record=False, batch=self._batch).start()
         try:
             self._endpoint = await self._start_endpoint(coordinator)
         except BaseException:

@@ -116,3 +116,45 @@ async def test_a_coordinator_that_does_not_record_keeps_nothing_while_relaying(
         assert reference._exchanges == {}
         await mini.link.close()
         await asyncio.wait_for(task, 5)
+
+
+@pytest.mark.parametrize("batch", [True, False])
+async def test_welcome_lists_batch_only_when_the_coordinator_batches(batch: bool) -> None:
+    async with ReferenceCoordinator(token=TOKEN, batch=batch) as reference, \
+            connect(reference.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+        await ws.send(protocol.encode(HELLO))
+        welcome = protocol.parse_from_coordinator(await ws.recv())
+        assert isinstance(welcome, protocol.Welcome) and welcome.features == (["batch"] if batch else [])
+
+
+async def test_a_batch_is_unpacked_for_exchanges_and_received_in_order(coordinator: ReferenceCoordinator) -> None:
+    async with connect(coordinator.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+        await ws.send(protocol.encode(HELLO))
+        assert json.loads(await ws.recv())["type"] == "welcome"
+        assert json.loads(await ws.recv())["type"] == "assign"
+        exchange = await coordinator.request({"stream": True})
+        assert json.loads(await ws.recv())["id"] == exchange.id
+        answer = [protocol.ResponseHead(id=exchange.id, status=200, content_type="text/event-stream"),
+                  protocol.ResponseChunk(id=exchange.id, data="data: 1\n\n"),
+                  protocol.ResponseChunk(id=exchange.id, data="data: 2\n\n"),
+                  protocol.ResponseEnd(id=exchange.id)]
+        status = protocol.Status(state="ready")
+        await ws.send(protocol.encode(protocol.Batch(messages=[answer[0], status, *answer[1:3]])))
+        await ws.send(protocol.encode(answer[3]))
+        collected = await exchange.collect()
+        assert (collected.head, collected.data, collected.chunks, collected.end) == (
+            answer[0], "data: 1\n\ndata: 2\n\n", 2, answer[3])
+        await coordinator.wait_for("response.end")
+        assert coordinator.received[1:] == [answer[0], status, *answer[1:]]
+        assert coordinator.frame_sizes == [4, 1]
+
+
+async def test_a_batch_inside_a_batch_is_refused_whole(coordinator: ReferenceCoordinator) -> None:
+    async with connect(coordinator.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+        await ws.send(protocol.encode(HELLO))
+        await ws.recv(), await ws.recv()  # welcome, assign
+        inner = {"type": "batch", "messages": [{"type": "status", "state": "idle"}]}
+        await ws.send(json.dumps({"type": "batch", "messages": [{"type": "status", "state": "idle"}, inner]}))
+        reply = json.loads(await ws.recv())
+        assert (reply["type"], reply["code"]) == ("error", "bad_message")
+        assert coordinator.received == [HELLO] and len(coordinator.bad_frames) == 1
