@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,6 @@ from tests.integration.test_node import (
     vllm_assign,
 )
 from tests.support.fake_pynvml import FakeCard, FakeNvml, FakeProcess
-from worker import protocol
 from worker.config import Paths, Settings
 from worker.hardware import PynvmlSource
 from worker.link import Backoff
@@ -39,28 +37,6 @@ from worker.node import Node
 pytestmark = pytest.mark.integration
 
 GAME = "Cyberpunk2077.exe"
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
-    """A real process the OS names `name` (a link to Python so named), running once this returns."""
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(name: str) -> subprocess.Popen[bytes]:
-        link = tmp_path / name
-        link.symlink_to(sys.executable)
-        process = subprocess.Popen([str(link), "-c", "print('up', flush=True); import time; time.sleep(120)"],
-                                   stdout=subprocess.PIPE)
-        started.append(process)
-        assert process.stdout is not None and process.stdout.readline() == b"up\n"
-        return process
-
-    yield start
-    for process in started:
-        process.kill()
-        process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
 
 
 def free_mib(card: FakeCard) -> int:
