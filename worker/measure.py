@@ -22,6 +22,7 @@ from worker.protocol import Usage
 
 DEFAULT_WARMUP_REQUESTS = 2
 DEFAULT_WINDOW_S = 60.0
+MIN_RATE_WINDOW_S = 10.0  # the contract: a run younger than this is divided by it, so it never reads high
 
 
 @dataclass
@@ -175,7 +176,9 @@ class RunMeter:
         return list(self._ttfts)
 
     def tokens_per_s(self, now: float | None = None) -> float | None:
-        """Output tokens of measured requests in the last `window_s` (or since measuring began) ÷ that time.
+        """Output tokens of measured requests in the last `window_s` (or since measuring began) ÷ that
+        time, but never ÷ less than `MIN_RATE_WINDOW_S`: a few requests in a run's first second would
+        otherwise read as a huge rate.
 
         `None` until a measured request has completed: an idle new run reads empty, not zero.
         """
@@ -187,7 +190,7 @@ class RunMeter:
             return None
         self._forget_before(now - self._window_s)
         measured = chain(self._recent, (r for r in self._in_flight.values() if not r.warmup))
-        return sum(r.tokens_between(start, now) for r in measured) / (now - start)
+        return sum(r.tokens_between(start, now) for r in measured) / max(now - start, MIN_RATE_WINDOW_S)
 
     def _forget_before(self, cutoff: float) -> None:
         """Drop finished requests whose last token came before the window (finish order)."""

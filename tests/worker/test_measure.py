@@ -59,7 +59,7 @@ def test_warmup_requests_count_in_totals_but_not_in_rates() -> None:
     assert snap.run_tokens == 78 + 78 + 61
     assert snap.per_request_tokens_per_s == pytest.approx(60.0)
     assert snap.ttft_p50_s == pytest.approx(0.5)
-    assert snap.tokens_per_s == pytest.approx(61 / 1.5)  # measuring began when "warm" started
+    assert snap.tokens_per_s == pytest.approx(61 / 10.0)  # measuring began 1.5 s ago: divided by 10 s at least
 
 
 def test_settle_time_also_marks_early_requests_as_warmup() -> None:
@@ -69,6 +69,14 @@ def test_settle_time_also_marks_early_requests_as_warmup() -> None:
 
     stream(meter, "settled", 21.0, 1.0, 11, 1.0)
     assert meter.snapshot(25.0).per_request_tokens_per_s == pytest.approx(10.0)
+
+
+def test_a_young_run_is_divided_by_at_least_ten_seconds() -> None:
+    """Contract, Status: a run's first seconds never read high (100 tokens in 2 s is not 50 tok/s)."""
+    meter = RunMeter("run-1", started_at=0.0, warmup_requests=0)
+    stream(meter, "r", 0.0, 0.1, 100, 1.9)
+    assert meter.tokens_per_s(2.0) == pytest.approx(100 / 10.0)
+    assert meter.tokens_per_s(20.0) == pytest.approx(100 / 20.0)  # past ten seconds: the run's age
 
 
 def test_the_sliding_window_keeps_only_the_last_minute() -> None:
@@ -143,7 +151,7 @@ def test_a_restart_starts_a_run_that_reads_empty_and_old_figures_do_not_leak() -
     snap = second.snapshot()
     assert snap.per_request_tokens_per_s == pytest.approx(50.0)
     assert (snap.requests, snap.run_tokens) == (2, 152)
-    assert snap.tokens_per_s == pytest.approx(51 / 5.0)
+    assert snap.tokens_per_s == pytest.approx(51 / 10.0)  # measured for 5 s: divided by 10 s at least
 
 
 def test_aggregate_sums_rates_and_merges_medians() -> None:
@@ -156,7 +164,7 @@ def test_aggregate_sums_rates_and_merges_medians() -> None:
 
     node = aggregate([one, two, idle], now=10.0)
 
-    assert node.tokens_per_s == pytest.approx((11 + 31) / 10.0 + 21 / 5.0)
+    assert node.tokens_per_s == pytest.approx((11 + 31) / 10.0 + 21 / 10.0)  # a 5-s run divides by 10 s
     assert node.per_request_tokens_per_s == pytest.approx(20.0)
     assert (node.requests, node.run_tokens, node.run_seconds) == (3, 63, 10.0)
     assert aggregate([idle], now=10.0).tokens_per_s is None
