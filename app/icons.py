@@ -44,9 +44,14 @@ def _draw_glyph(painter: QPainter, state: TrayState, unit: float) -> None:
     elif state == "paused":
         painter.drawRoundedRect(QRectF(5.2 * unit, 4.8 * unit, 2 * unit, 6.4 * unit), 0.5 * unit, 0.5 * unit)
         painter.drawRoundedRect(QRectF(8.8 * unit, 4.8 * unit, 2 * unit, 6.4 * unit), 0.5 * unit, 0.5 * unit)
-    elif state in ("failed", "degraded"):
+    elif state == "degraded":  # "!": serving, but something needs a look
         painter.drawRoundedRect(QRectF(7.1 * unit, 3.8 * unit, 1.8 * unit, 5.4 * unit), 0.6 * unit, 0.6 * unit)
         painter.drawEllipse(QRectF(7.05 * unit, 10.2 * unit, 1.9 * unit, 1.9 * unit))
+    elif state == "failed":  # "×": not serving; a different shape, not only a different red
+        pen = QPen(white, 1.9 * unit, Qt.PenStyle.SolidLine, Qt.PenCapStyle.RoundCap)
+        painter.setPen(pen)
+        painter.drawLine(QPointF(5.4 * unit, 5.4 * unit), QPointF(10.6 * unit, 10.6 * unit))
+        painter.drawLine(QPointF(10.6 * unit, 5.4 * unit), QPointF(5.4 * unit, 10.6 * unit))
     elif state == "starting":
         pen = QPen(white, 1.8 * unit, Qt.PenStyle.SolidLine, Qt.PenCapStyle.RoundCap)
         painter.setPen(pen)
