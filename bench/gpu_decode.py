@@ -33,7 +33,8 @@ from worker.measure import roofline
 from worker.plan import EnginePlan, Refusal, plan
 from worker.provision.models import ensure_model
 from worker.restart_policy import SupervisorTiming
-from worker.supervise import EngineSupervisor, Target
+from worker.relay import EngineTarget
+from worker.supervise import EngineSupervisor
 
 OUT = RESULTS.parent / "gpu-decode.json"
 DRY_RUN_OUT = RESULTS.parent / "gpu-decode-dry-run.json"  # a --hardware run never passes for a reading
@@ -47,9 +48,9 @@ def weight_bytes(model: Path, declared_mib: int) -> int:
     return on_disk or declared_mib * 2**20
 
 
-async def decode_rate(target: Target, tokens: int) -> dict[str, Any]:
+async def decode_rate(target: EngineTarget, tokens: int) -> dict[str, Any]:
     """One streamed completion; the time of each content event is one token's arrival."""
-    base_url, api_key, model = target.base_url, target.api_key, target.served_name
+    base_url, api_key, model = target.base_url, target.api_key, target.served_model_name
     body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": tokens,
             "stream": True, "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
     arrivals: list[float] = []

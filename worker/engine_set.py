@@ -52,9 +52,7 @@ class EngineSet:
 
     def ready_targets(self) -> list[EngineTarget]:
         """Where the relay may send requests now: the engines that are ready (or degraded but serving)."""
-        targets = (s.target() for s in self._supervisors.values())
-        return [EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name, t.socket_path)
-                for t in targets if t is not None]
+        return [t for t in (s.target() for s in self._supervisors.values()) if t is not None]
 
     async def launch(self, engine_plans: Sequence[EnginePlan]) -> None:
         """Starts one supervisor per plan (returns once each is started, not ready), on

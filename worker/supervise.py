@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import httpx
 
@@ -47,6 +47,7 @@ from worker import procs
 from worker.config import Paths, private_dir
 from worker.events import ContextNumbers, EngineSnapshot, NodeState
 from worker.plan import EnginePlan
+from worker.relay import EngineTarget
 from worker.restart_policy import (
     AttemptFacts,
     RestartBackoff,
@@ -67,17 +68,6 @@ SOCKET_HOST_URL = "http://localhost"  # the Host an engine on a Unix socket is a
 EventCallback = Callable[[EngineSnapshot, str], None]
 # The `--gpu-memory-utilization` for a plan's cards from a fresh reading; None when none can be made.
 Remeasure = Callable[[EnginePlan], Awaitable[float | None]]
-
-
-class Target(NamedTuple):
-    """Where the relay forwards: the engine's Unix socket (`socket_path`, with `base_url` giving
-    only the Host) or 127.0.0.1 and its port, and this run's key."""
-
-    base_url: str
-    api_key: str
-    served_name: str
-    engine_id: str
-    socket_path: str | None = None
 
 
 def engine_home(paths: Paths) -> Path:
@@ -148,12 +138,12 @@ class EngineSupervisor:
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
 
-    def target(self) -> Target | None:
+    def target(self) -> EngineTarget | None:
         """Where to send requests now; None unless the engine is ready (or degraded but serving)."""
         if self._snapshot.state not in ("ready", "degraded") or self._api_key is None:
             return None
         socket_path = str(self._socket_path) if self._socket_path is not None else None
-        return Target(self._base_url, self._api_key, self.plan.served_name, self.plan.engine_id, socket_path)
+        return EngineTarget(self.plan.engine_id, self._base_url, self._api_key, self.plan.served_name, socket_path)
 
     @property
     def http(self) -> httpx.AsyncClient:

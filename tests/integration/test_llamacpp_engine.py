@@ -74,7 +74,7 @@ async def test_llama_server_lifecycle(llama_server_bin: LlamaServer, tiny_gguf: 
         async with engine_client(target.socket_path, timeout=10) as client:
             reply = await client.post(f"{target.base_url}/v1/chat/completions",
                                       headers={"Authorization": f"Bearer {target.api_key}"},
-                                      json={"model": target.served_name, "max_tokens": 8,
+                                      json={"model": target.served_model_name, "max_tokens": 8,
                                             "messages": [{"role": "user", "content": "hello"}]})
             refused = await client.get(f"{target.base_url}/props")
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0

@@ -32,7 +32,7 @@ from worker.ledger import earned
 from worker.link import Backoff
 from worker.localnet import Collected, ReferenceCoordinator
 from worker.node import Node
-from worker.supervise import Target
+from worker.relay import EngineTarget
 
 pytestmark = pytest.mark.integration
 
@@ -154,7 +154,7 @@ class Running:
         exchange = await self.coordinator.request(body, **kwargs)
         return await exchange.collect(timeout=STATE_TIMEOUT_S)
 
-    def engine_target(self, engine_id: str) -> Target:
+    def engine_target(self, engine_id: str) -> EngineTarget:
         """The engine's own address and this run's API key (the secret the argv must hide)."""
         sup = self.node._engines.get(engine_id)
         target = sup.target() if sup is not None else None

@@ -24,9 +24,10 @@ from worker.config import Paths
 from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 from worker.procs import StopTiming
-from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
+from worker.relay import Relay, RelayHooks, engine_http_client
 from worker.restart_policy import RestartBackoff, SupervisorTiming
-from worker.supervise import EngineSupervisor, Target
+from worker.relay import EngineTarget
+from worker.supervise import EngineSupervisor
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +71,7 @@ def supervisor(plan: EnginePlan, tmp_path: Path, recorder: Recorder | None = Non
                             backoff=TINY_BACKOFF, base_env=dict(os.environ), unix_socket=unix_socket)
 
 
-def client(target: Target, **options: Any) -> httpx.AsyncClient:
+def client(target: EngineTarget, **options: Any) -> httpx.AsyncClient:
     return engine_client(target.socket_path, **options)
 
 
@@ -98,7 +99,7 @@ async def test_ready_after_models_and_a_real_completion(vllm_standin: Path, tmp_
         assert not any(sup.target().api_key in arg for arg in snap.argv) and "--api-key" not in snap.argv
         assert snap.argv[snap.argv.index("--host") + 1] == "127.0.0.1"
         target = sup.target()
-        assert target is not None and target.served_name == "qwen3-8b" and target.engine_id == "e0"
+        assert target is not None and target.served_model_name == "qwen3-8b" and target.engine_id == "e0"
         assert snap.argv[snap.argv.index("--uds") + 1] == target.socket_path
         async with client(target) as http:
             denied = await http.get(f"{target.base_url}/v1/models")
@@ -326,8 +327,8 @@ async def test_a_relayed_completion_reaches_the_engine_through_its_socket(vllm_s
 
     try:
         await sup.wait_for_state("ready", timeout=10)
-        t = sup.target()
-        target = EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name, t.socket_path)
+        target = sup.target()
+        assert target is not None
         async with engine_http_client() as http:
             relay = Relay(send, lambda: [target], lambda: None, http=http)
             body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
@@ -388,8 +389,8 @@ async def test_a_long_quiet_generation_on_a_healthy_engine_runs_to_its_end(
 
     try:
         await sup.wait_for_state("ready", timeout=10)
-        pid, t = sup.snapshot().pid, sup.target()
-        target = EngineTarget(t.engine_id, t.base_url, t.api_key, t.served_name, t.socket_path)
+        pid, target = sup.snapshot().pid, sup.target()
+        assert target is not None
         async with engine_http_client() as http:
             relay = Relay(send, lambda: [target], lambda: None, http=http, hooks=EngineHooks(sup))
             body = {"model": "qwen3-8b", "prompt": "hi", "max_tokens": 2, "stream": stream}

@@ -19,10 +19,10 @@ from worker.hardware import Gpu, Machine, ReplaySource
 from worker.node import Node
 from worker.plan import EnginePlan
 from worker.restart_policy import SupervisorTiming
+from worker.relay import EngineTarget
 from worker.supervise import (
     SOCKET_PATH_MAX_BYTES,
     EngineSupervisor,
-    Target,
     engine_home,
     socket_path_for,
 )
@@ -179,7 +179,7 @@ async def test_the_supervisors_client_reaches_what_listens_on_the_engines_socket
 
 
 def test_a_target_made_the_old_way_has_no_socket() -> None:
-    assert Target("http://127.0.0.1:1", "k", "m", "e0").socket_path is None
+    assert EngineTarget("e0", "http://127.0.0.1:1", "k", "m").socket_path is None
 
 
 # --- what the node gives a supervisor to measure again with ------------------------------------
