@@ -40,6 +40,12 @@ class NodeLike(Protocol):
 
     def token_changed(self) -> None: ...
 
+    def sign_out(self) -> None: ...
+
+    def retry(self) -> None: ...
+
+    def install_update_now(self) -> None: ...
+
     def history(self, series: str, since: float) -> list[tuple[float, float]]: ...
 
     def log_files(self) -> dict[str, Path]: ...
@@ -93,6 +99,18 @@ class Bridge(QObject):
     def token_changed(self) -> None:
         """A token was stored: the link stops waiting in `signed_out` and connects now."""
         self.node.token_changed()
+
+    def sign_out(self) -> None:
+        """The token was removed: the core closes the link and waits in `signed_out`."""
+        self.node.sign_out()
+
+    def retry(self) -> None:
+        """The person's Retry: try a failed start, download or connection again now."""
+        self.node.retry()
+
+    def install_update_now(self) -> None:
+        """Restart to update: apply the staged update now (after the drain)."""
+        self.node.install_update_now()
 
     def history(
         self, series: str, window_s: float, clock: Callable[[], float] = time.time

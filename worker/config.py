@@ -118,6 +118,7 @@ class Settings:
     update_channel: str = "stable"
     update_feed_url: str | None = None
     auto_install_updates: bool = True
+    setup_complete: bool = False  # the first-run flow was finished (or the settings predate it)
 
     def validated(self) -> Settings:
         problems = []
@@ -215,6 +216,8 @@ def _from_dict(cls: type[_Record], data: dict[str, Any]) -> _Record:
 
 def load_settings(paths: Paths) -> Settings:
     data = _read_json(paths.settings_file) or {}
+    if data and "setup_complete" not in data:  # written before the first-run flow existed: set up already
+        data["setup_complete"] = True
     try:
         return _from_dict(Settings, data).validated()
     except (TypeError, ValueError) as exc:

@@ -16,6 +16,7 @@ PauseReason = Literal["user", "timed", "game", "schedule", "coordinator"]
 ConnectionState = Literal[
     "disabled", "connecting", "connected", "offline", "signed_out", "banned", "taken_over", "update_required"
 ]
+LIVE_WINDOW_S = 10.0  # the live tok/s figure's sliding window
 StartPhase = Literal["provisioning", "launching", "loading", "compiling", "capturing", "warming", "ready"]
 
 
@@ -25,7 +26,9 @@ class Problem:
 
     title: str
     message: str
-    action: Literal["sign_in", "update", "check_network", "free_disk", "settings", "none"] = "none"
+    action: Literal["sign_in", "update", "check_network", "free_disk", "settings", "retry", "none"] = "none"
+    details: tuple[str, ...] = ()  # the log lines behind it, folded under "Details" (never the title)
+    retry_at: float | None = None  # wall-clock seconds when the app tries again by itself; None = it will not
 
 
 @dataclass(frozen=True)
@@ -79,13 +82,18 @@ class EngineSnapshot:
     kv_usage_pct: float | None = None
     requests_running: int | None = None
     requests_waiting: int | None = None
+    failures_in_a_row: int = 0  # quick failures of this start so far ("Restarting (3 of 5)")
+    restart_limit: int = 5  # quick failures in a row after which the supervisor gives up
+    retry_at: float | None = None  # wall-clock seconds of the next start while waiting to restart
 
 
 @dataclass(frozen=True)
 class ThroughputSnapshot:
     """The current run only (this engine, this model, since ready); `None` = nothing to measure."""
 
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # the run's average (what the coordinator is told)
+    live_tokens_per_s: float | None = None  # the last LIVE_WINDOW_S, 0.0 when serving and idle
+    capacity_tokens_per_s: float | None = None  # the best sustained rate of this run so far
     per_request_tokens_per_s: float | None = None
     ttft_p50_s: float | None = None
     run_tokens: int = 0
@@ -98,6 +106,28 @@ class ThroughputSnapshot:
 
 
 @dataclass(frozen=True)
+class DayEarnings:
+    """One local day of the ledger: what was earned and what its electricity cost."""
+
+    day: str  # ISO date, local time
+    gross: float
+    energy_cost: float
+
+    @property
+    def net(self) -> float:
+        return self.gross - self.energy_cost
+
+
+@dataclass(frozen=True)
+class MeasuredCapacity:
+    """The best sustained rate an earlier run measured, kept while nothing serves (paused)."""
+
+    tokens_per_s: float
+    model: str | None
+    measured_at: float  # wall-clock seconds
+
+
+@dataclass(frozen=True)
 class EarningsSnapshot:
     currency: str = "USD"
     today: float = 0.0
@@ -107,6 +137,9 @@ class EarningsSnapshot:
     energy_cost_week: float = 0.0
     energy_cost_all_time: float = 0.0
     energy_kwh_today: float = 0.0
+    days: tuple[DayEarnings, ...] = ()  # the last 30 local days, oldest first, today last
+    net_per_hour: float | None = None  # net over the serving hours of the last 24 h; None = none served
+    electricity_price_per_kwh: float = 0.0  # 0 = not set: net equals gross, the app nudges
 
     @property
     def net_today(self) -> float:
@@ -172,7 +205,12 @@ class NodeSnapshot:
     downloads: tuple[DownloadProgress, ...] = ()
     in_flight: int = 0
     notices: tuple[str, ...] = field(default=())  # one-off lines for notifications, newest last
+    detecting: bool = False  # the machine is still being detected: GPU fields are not known yet
+    stopping: bool = False  # quitting: draining `in_flight` requests, then stopping the engines
+    update_ready: str | None = None  # a downloaded, verified update's version, applied on restart
+    last_capacity: MeasuredCapacity | None = None  # the latest run's measured capacity, kept across pauses
 
     def without_clock(self) -> NodeSnapshot:
         """The snapshot with the fields that move every tick zeroed: equal ones look the same."""
         return replace(self, at=0.0, throughput=replace(self.throughput, run_seconds=0.0))
+

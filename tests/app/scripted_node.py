@@ -53,6 +53,15 @@ class ScriptedNode:
     def token_changed(self) -> None:
         self.commands.append(("token_changed", None))
 
+    def sign_out(self) -> None:
+        self.commands.append(("sign_out", None))
+
+    def retry(self) -> None:
+        self.commands.append(("retry", None))
+
+    def install_update_now(self) -> None:
+        self.commands.append(("install_update_now", None))
+
     def history(self, series: str, since: float) -> list[tuple[float, float]]:
         self.history_calls.append((series, since))
         return self.history_points.get(series, [])

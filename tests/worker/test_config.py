@@ -5,6 +5,7 @@ left them wider."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import stat
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from worker import applog, procs
-from worker.config import Paths, Settings, load_state, private_dir, save_settings, write_private_text
+from worker.config import Paths, Settings, load_settings, load_state, private_dir, save_settings, write_private_text
 from worker.ledger import Ledger
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX; Windows uses the folder's ACL")
@@ -125,3 +126,13 @@ async def test_engine_logs_are_private(tmp_path: Path) -> None:
     await asyncio.wait_for(process.output_closed(), 10)
     assert log_path.read_text().strip() == "engine line"
     assert (mode(log_path), mode(log_dir / "engine-e0.1.log")) == (0o600, 0o600)
+
+
+def test_a_new_install_starts_with_the_first_run_flow_and_an_existing_one_does_not(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path / "new").ensure()
+    assert load_settings(paths).setup_complete is False
+    paths = Paths.under(tmp_path / "old").ensure()
+    paths.settings_file.write_text(json.dumps({"electricity_price_per_kwh": 0.3}))
+    assert load_settings(paths).setup_complete is True  # written by a version without the flow
+    save_settings(paths, Settings(setup_complete=False))
+    assert load_settings(paths).setup_complete is False
