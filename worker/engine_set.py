@@ -13,11 +13,13 @@ import httpx
 import psutil
 
 from worker.config import Paths
-from worker.events import EngineSnapshot, NodeState
+from worker.diagnosis import engine_problem
+from worker.events import EngineSnapshot, NodeState, Problem
 from worker.gpu_watch import GpuWatch
 from worker.plan import EnginePlan
 from worker.ports import free_first_port
 from worker.relay import EngineTarget
+from worker.restart_policy import Ended, RestartBackoff, SupervisorTiming
 from worker.supervise import EngineSupervisor, EventCallback, Remeasure
 
 
@@ -31,6 +33,7 @@ class EngineSet:
         self._on_event = on_event
         self._remeasure = remeasure
         self._supervisors: dict[str, EngineSupervisor] = {}
+        self.timing, self.backoff = SupervisorTiming(), RestartBackoff()  # each new supervisor's (tests shorten them)
         self._http: httpx.AsyncClient | None = None
 
     def __len__(self) -> int:
@@ -60,13 +63,41 @@ class EngineSet:
         first = free_first_port(engine_plans[0].port, len(engine_plans)) if engine_plans else 0
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False)
-        gpu_released = self._gpus.released if self._gpus.nvml is not None else None
         for i, engine_plan in enumerate(engine_plans):
-            engine_plan = dataclasses.replace(engine_plan, port=first + i)
-            sup = EngineSupervisor(engine_plan, paths=self._paths, on_event=self._on_event, http=self._http,
-                                   gpu_released=gpu_released, remeasure=self._remeasure)
-            self._supervisors[engine_plan.engine_id] = sup
-            await sup.start()
+            await self._start(dataclasses.replace(engine_plan, port=first + i))
+
+    async def _start(self, engine_plan: EnginePlan) -> None:
+        gpu_released = self._gpus.released if self._gpus.nvml is not None else None
+        sup = EngineSupervisor(engine_plan, paths=self._paths, on_event=self._on_event, http=self._http,
+                               gpu_released=gpu_released, remeasure=self._remeasure, timing=self.timing,
+                               backoff=self.backoff)
+        self._supervisors[engine_plan.engine_id] = sup
+        await sup.start()
+
+    async def restart_failed(self) -> list[str]:
+        """The person's Retry: each engine that gave up starts again now, with a fresh supervisor
+        (its failure counts reset) on the plan it last ran; the ids of those started."""
+        failed = [(i, s) for i, s in list(self._supervisors.items()) if s.snapshot().state == "failed"]
+        started = []
+        for engine_id, sup in failed:
+            await sup.stop()
+            if self._supervisors.get(engine_id) is sup:  # a stop_all meanwhile took it away
+                await self._start(sup.plan)
+                started.append(engine_id)
+        return started
+
+    def problem(self) -> Problem | None:
+        """The first engine that gave up, or that starts again after failing, in a person's words;
+        None while every engine serves or starts for the first time."""
+        for sup in list(self._supervisors.values()):
+            snap = sup.snapshot()
+            ended = sup.last_ended or Ended("crashed", snap.last_error or "", 0.0, False)
+            if snap.state == "failed":
+                return engine_problem(snap.engine, ended, gave_up=True)
+            restarting = snap.failures_in_a_row > 0 or ended.kind == "free_memory"
+            if snap.state == "starting" and sup.last_ended is not None and restarting:
+                return engine_problem(snap.engine, ended, gave_up=False, retry_at=snap.retry_at)
+        return None
 
     async def stop_all(self) -> list[str]:
         """Stops every engine (until its GPU memory is free); the ids of those removed."""

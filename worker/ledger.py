@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from worker.config import PRIVATE_FILE_MODE, private_opener
-from worker.events import EarningsSnapshot
+from worker.events import DayEarnings, EarningsSnapshot
 from worker.protocol import Price
 
 SCHEMA_VERSION = 1
@@ -33,6 +33,10 @@ COARSE_STEP_S = 60
 DETAIL_DAYS = 2  # requests kept one by one (for idempotency) for today and yesterday, then per day
 CHART_WINDOW_S = 3600.0  # the chart history the GUI may ask for, kept in memory: a point a second a series
 EARNINGS_REFRESH_S = 60.0  # earnings are re-read after each credit, and this often for electricity and the day
+EARNINGS_DAYS = 30  # the days the earnings chart shows, today included
+SERVING_SERIES = "tokens_per_s"
+"""The chart series the node records every second an engine serves (its live rate, 0 when idle)
+and never while none does: its per-minute points are the ledger's record of serving time."""
 T = TypeVar("T")
 
 _SCHEMA = """
@@ -126,7 +130,8 @@ class Ledger:
         self._retention = retention
         self._tz = tz
         self._lock = threading.Lock()
-        self._last_prune_minute: dict[str, int] = {}
+        self._pruned_minute: int | None = None
+        self._series: set[str] | None = None  # the chart series the file holds, read at the first write
         self._compacted_before: float | None = None
         try:
             _make_private(Path(path))
@@ -227,8 +232,10 @@ class Ledger:
         row = self._db.execute("SELECT MIN(at) FROM requests WHERE at < ?", (cutoff,)).fetchone()
         return None if row[0] is None else float(row[0])
 
-    def summary(self, now: float | None = None, currency: str = "USD") -> EarningsSnapshot:
-        """Today, this week (from Monday) and all time, in local time; other currencies left out."""
+    def summary(self, now: float | None = None, currency: str = "USD", price_per_kwh: float = 0.0) -> EarningsSnapshot:
+        """Today, this week (from Monday), all time and the last `EARNINGS_DAYS` days, in local time,
+        and the net earned per serving hour; other currencies left out. `price_per_kwh`: the
+        electricity price the node charges energy at, passed through for the app to show."""
         now = self._clock() if now is None else now
         day = self._day_start(now)
         week = self._week_start(now)
@@ -247,6 +254,8 @@ class Ledger:
                 " FROM energy WHERE currency = ?",
                 (day, week, day, currency),
             ).fetchone()
+            days = self._days(now, currency)
+            net_per_hour = self._net_per_hour(now, currency)
         return EarningsSnapshot(
             currency=currency,
             today=earned_[0],
@@ -256,7 +265,48 @@ class Ledger:
             energy_cost_week=energy[1],
             energy_cost_all_time=energy[2],
             energy_kwh_today=energy[3] / JOULES_PER_KWH,
+            days=days,
+            net_per_hour=net_per_hour,
+            electricity_price_per_kwh=price_per_kwh,
         )
+
+    def _days(self, now: float, currency: str) -> tuple[DayEarnings, ...]:
+        """The last `EARNINGS_DAYS` local days, oldest first, days without earnings included: one
+        statement of indexed range sums, a day at a time (DST makes days 23 to 25 hours long)."""
+        today = self._local_date(now)
+        dates = [today - timedelta(days=back) for back in range(EARNINGS_DAYS - 1, -1, -1)]
+        bounds = [(self._local_midnight(d), self._local_midnight(d + timedelta(days=1))) for d in dates]
+        rows = self._db.execute(
+            f"WITH d(i, lo, hi) AS (VALUES {', '.join(['(?, ?, ?)'] * len(bounds))}) SELECT"
+            " (SELECT COALESCE(SUM(amount), 0) FROM requests WHERE currency = ? AND at >= d.lo AND at < d.hi)"
+            " + (SELECT COALESCE(SUM(amount), 0) FROM earnings_by_day"
+            " WHERE day >= d.lo AND day < d.hi AND currency = ?),"
+            " (SELECT COALESCE(SUM(cost), 0) FROM energy WHERE minute >= d.lo AND minute < d.hi AND currency = ?)"
+            " FROM d ORDER BY d.i",
+            (*(v for i, (lo, hi) in enumerate(bounds) for v in (i, lo, hi)), currency, currency, currency),
+        ).fetchall()
+        return tuple(DayEarnings(d.isoformat(), gross, cost) for d, (gross, cost) in zip(dates, rows, strict=True))
+
+    def _net_per_hour(self, now: float, currency: str) -> float | None:
+        """Net earned in the last 24 h ÷ the hours served in them; None when none was served.
+
+        Served = the minutes the node recorded a `SERVING_SERIES` point: an engine was up to take
+        requests, busy or idle (an idle hour that draws power and earns nothing lowers the figure,
+        as it would a gamer's bill). The earnings are every request of the 24 h; the energy is the
+        serving minutes' only, not what a game drew while the node was paused.
+        """
+        since = now - 86_400
+        minutes, energy_cost = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(e.cost), 0) FROM samples_coarse AS s"
+            " LEFT JOIN energy AS e ON e.minute = s.t AND e.currency = ? WHERE s.series = ? AND s.t >= ?",
+            (currency, SERVING_SERIES, since),
+        ).fetchone()
+        if not minutes:
+            return None
+        gross = self._db.execute(
+            "SELECT COALESCE(SUM(amount), 0) FROM requests WHERE currency = ? AND at >= ?", (currency, since)
+        ).fetchone()[0]
+        return (float(gross) - float(energy_cost)) / (int(minutes) / 60)
 
     def _local_midnight(self, day: date) -> float:
         # A naive datetime's timestamp() uses the system's local rules, DST included.
@@ -284,6 +334,8 @@ class Ledger:
         second, minute = int(at), int(at // COARSE_STEP_S) * COARSE_STEP_S
         points = [(name, value) for name, value in values.items() if math.isfinite(value)]
         with self._lock, self._db:
+            series = self._known_series()
+            series.update(name for name, _ in points)
             for name, value in points:
                 self._db.execute(
                     "INSERT INTO samples_fine VALUES (?, ?, ?) ON CONFLICT (series, t) DO UPDATE SET"
@@ -295,15 +347,26 @@ class Ledger:
                     "total = total + excluded.total, count = count + 1",
                     (name, minute, value),
                 )
-                if self._last_prune_minute.get(name) != minute:
-                    self._prune(name, second)
-                    self._last_prune_minute[name] = minute
+            if self._pruned_minute != minute:
+                self._prune(series, second)
+                self._pruned_minute = minute
 
-    def _prune(self, series: str, now: int) -> None:
-        """Drop a series' points past their retention, once a minute, so the tables stay bounded."""
+    def _known_series(self) -> set[str]:
+        """Every series the file holds points of (read once), so one no longer recorded (a card
+        taken out, a renamed series) is pruned too. Call under the lock."""
+        if self._series is None:
+            self._series = {str(name) for (name,) in self._db.execute("SELECT DISTINCT series FROM samples_coarse")}
+        return self._series
+
+    def _prune(self, series: set[str], now: int) -> None:
+        """Drop every series' points past their retention, once a minute, so the tables stay
+        bounded; a series with none left is forgotten."""
         fine_cutoff, coarse_cutoff = now - self._retention.fine_s, now - self._retention.coarse_s
-        self._db.execute("DELETE FROM samples_fine WHERE series = ? AND t < ?", (series, fine_cutoff))
-        self._db.execute("DELETE FROM samples_coarse WHERE series = ? AND t < ?", (series, coarse_cutoff))
+        for name in list(series):
+            self._db.execute("DELETE FROM samples_fine WHERE series = ? AND t < ?", (name, fine_cutoff))
+            self._db.execute("DELETE FROM samples_coarse WHERE series = ? AND t < ?", (name, coarse_cutoff))
+            if self._db.execute("SELECT 1 FROM samples_coarse WHERE series = ? LIMIT 1", (name,)).fetchone() is None:
+                series.discard(name)
 
     def series_names(self) -> list[str]:
         with self._lock:
@@ -340,9 +403,10 @@ class Books:
     is closed, credits written in the executor at once and awaited (never cancelled) before it
     closes. Holds the latest earnings summary, so a snapshot never touches SQLite."""
 
-    def __init__(self, path: Path, currency: Callable[[], str]) -> None:
+    def __init__(self, path: Path, currency: Callable[[], str], price: Callable[[], float] = lambda: 0.0) -> None:
         self._path = path
         self._currency = currency  # the user's, read at each summary (settings change)
+        self._price = price  # the user's electricity price per kWh, likewise
         self._ledger: Ledger | None = None
         self._guard = threading.Lock()  # held while the ledger is used, so it is never used closed
         self._writes: set[asyncio.Future[Any]] = set()  # credits still being written
@@ -375,8 +439,8 @@ class Books:
             return use(self._ledger) if self._ledger is not None else None
 
     def read_earnings(self) -> None:
-        currency = self._currency()
-        self.earnings = self.use(lambda ledger: ledger.summary(currency=currency)) or self.earnings
+        currency, price = self._currency(), self._price()
+        self.earnings = self.use(lambda ledger: ledger.summary(currency=currency, price_per_kwh=price)) or self.earnings
 
     def record_samples(self, rows: Sequence[tuple[str, float | None]], now: float) -> None:
         """Chart points (every second); the earnings re-read once every `EARNINGS_REFRESH_S`."""
@@ -389,12 +453,16 @@ class Books:
             self.read_earnings()
 
     def _remember(self, values: Mapping[str, float], now: float) -> None:
+        """This second's points, and every series trimmed to the window: one no longer recorded
+        (a card taken out) empties within the hour and is dropped."""
         with self._charts_lock:
             for name, value in values.items():
-                points = self._charts.setdefault(name, deque())
-                points.append((float(int(now)), value))  # per second, as the ledger keeps them
+                self._charts.setdefault(name, deque()).append((float(int(now)), value))  # per second, as kept
+            for name, points in list(self._charts.items()):
                 while points and points[0][0] < now - CHART_WINDOW_S:
                     points.popleft()
+                if not points:
+                    del self._charts[name]
 
     def credit(self, request_id: str, run_id: str, model: str, prompt_tokens: int, completion_tokens: int,
                price: Price) -> None:

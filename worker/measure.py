@@ -7,6 +7,7 @@ with the old ones. Pure math: every time is given or read from an injected clock
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from bisect import insort
@@ -16,13 +17,17 @@ from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
 
-from worker.events import ContextNumbers, ThroughputSnapshot
+from worker.events import LIVE_WINDOW_S, ContextNumbers, ThroughputSnapshot
 from worker.metrics import EngineMetrics
 from worker.protocol import Usage
 
 DEFAULT_WARMUP_REQUESTS = 2
 DEFAULT_WINDOW_S = 60.0
 MIN_RATE_WINDOW_S = 10.0  # the contract: a run younger than this is divided by it, so it never reads high
+CAPACITY_WINDOW_S = 30
+"""The measured capacity is the best rate over this many whole seconds. Three times the contract's
+10-s minimum: one burst (a batch of streams that all end at once) cannot pass for a rate the card
+sustains, yet half a minute of real load is enough to find it."""
 
 
 @dataclass
@@ -60,21 +65,87 @@ class _Request:
         overlap = min(end, self.last_token_at) - max(start, self.first_token_at)
         return first + rest * max(0.0, overlap) / span
 
+    def tokens_by_second(self) -> dict[int, float]:
+        """Output tokens per whole second [s, s + 1), spread as `tokens_between` spreads them."""
+        if self.first_token_at is None or self.last_token_at is None or self.tokens_so_far <= 0:
+            return {}
+        first, last = self.first_token_at, self.last_token_at
+        seconds = {math.floor(first): 1.0}
+        rest, span = self.tokens_so_far - 1, last - first
+        if rest <= 0:
+            return seconds
+        if span <= 0:
+            seconds[math.floor(last)] = seconds.get(math.floor(last), 0.0) + rest
+            return seconds
+        for second in range(math.floor(first), math.floor(last) + 1):
+            overlap = min(last, second + 1) - max(first, second)
+            seconds[second] = seconds.get(second, 0.0) + rest * max(0.0, overlap) / span
+        return seconds
+
+
+class _BestWindow:
+    """Measured tokens per whole second → the best `window_s` seconds so far (the run's capacity).
+
+    A request's tokens are known when it ends and are spread back over its stream, so a window is
+    summed only once no stream still open can add to it: it ended before the oldest open stream
+    began. Only full windows after measuring began count, and each is summed once; the seconds
+    kept are the last window's and those of streams since, a few floats a second.
+    """
+
+    def __init__(self, since: float, window_s: int = CAPACITY_WINDOW_S) -> None:
+        self._window = window_s
+        self._seconds: dict[int, float] = {}
+        self._filled_until = math.ceil(since) - 1  # the last second holding tokens
+        self._summed_until = math.ceil(since) + window_s - 1  # windows ending up to here were summed
+        self.best: float | None = None  # tokens per second
+        self.best_at: float | None = None  # the end of the best window (the meter's clock)
+
+    def add(self, tokens: Mapping[int, float]) -> None:
+        """A finished request's tokens by second (all after the windows already summed)."""
+        for second, count in tokens.items():
+            self._seconds[second] = self._seconds.get(second, 0.0) + count
+            self._filled_until = max(self._filled_until, second)
+
+    def advance(self, now: float, open_since: float | None) -> None:
+        """Sums the windows that ended by `now`, and before `open_since` (the oldest open stream's start)."""
+        end = math.floor(now if open_since is None else min(now, open_since))
+        if end <= self._summed_until:
+            return
+        # Windows that begin after the last token known hold none: they cannot be the best.
+        self._sum(self._summed_until + 1, min(end, self._filled_until + self._window))
+        self._summed_until = end
+        keep_from = end + 1 - self._window
+        for second in [s for s in self._seconds if s < keep_from]:
+            del self._seconds[second]
+
+    def _sum(self, first_end: int, last_end: int) -> None:
+        """The windows [end - window, end) for `end` in [first_end, last_end], as a running sum."""
+        if last_end < first_end:
+            return
+        total = sum(self._seconds.get(s, 0.0) for s in range(first_end - self._window, first_end))
+        for end in range(first_end, last_end + 1):
+            if end > first_end:
+                total += self._seconds.get(end - 1, 0.0) - self._seconds.get(end - 1 - self._window, 0.0)
+            rate = total / self._window
+            if rate > 0 and (self.best is None or rate > self.best):
+                self.best, self.best_at = rate, float(end)
+
 
 class RunMeter:
     """Per-request timelines of one run → rates, medians and totals for that run only.
 
     The first `warmup_requests` requests to start, and any that start within `settle_s` of ready,
-    are warm-up (torch.compile, kernel JIT, cold caches): counted in `requests` and `run_tokens`,
-    left out of both rates and of TTFT. Finished requests are folded into totals and sorted
-    per-request figures, so memory grows by two floats a request, not by timelines. Not
-    thread-safe: call it from the core's loop.
+    are warm-up (torch.compile, kernel JIT, cold caches): counted in `requests`, `run_tokens` and
+    the live rate (what the card is doing now), left out of the run's rate, its capacity and TTFT.
+    Finished requests are folded into totals and sorted per-request figures, so memory grows by
+    two floats a request, not by timelines. Not thread-safe: call it from the core's loop.
     """
 
     def __init__(
         self,
         run_id: str,
         *,
+        model: str | None = None,
         started_at: float | None = None,
         warmup_requests: int = DEFAULT_WARMUP_REQUESTS,
         settle_s: float = 0.0,
@@ -82,14 +153,17 @@ class RunMeter:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.run_id = run_id
+        self.model = model  # the served model's name, when the caller knows it
         self._clock = clock
         self.started_at = clock() if started_at is None else started_at
         self._warmup_left = warmup_requests
         self._settle_until = self.started_at + settle_s
         self._window_s = window_s
+        self._keep_s = max(window_s, LIVE_WINDOW_S)  # finished requests kept for either window
         self._in_flight: dict[str, _Request] = {}
-        self._recent: deque[_Request] = deque()  # finished, measured, may still fall in the window
+        self._recent: deque[_Request] = deque()  # finished, may still fall in a window
         self._measured_since: float | None = None
+        self._best: _BestWindow | None = None  # from the first measured request on
         self._measured_ok = False
         self.requests = 0  # completed requests of this run, warm-up included
         self.run_tokens = 0  # output tokens this run streamed, warm-up and failed requests included
@@ -107,6 +181,7 @@ class RunMeter:
             self._warmup_left -= 1
         if not warmup and self._measured_since is None:
             self._measured_since = now
+            self._best = _BestWindow(now)
         self._in_flight[request_id] = _Request(started_at=now, warmup=warmup)
         if not warmup:
             self.peak_concurrency = max(self.peak_concurrency, sum(not r.warmup for r in self._in_flight.values()))
@@ -151,12 +226,14 @@ class RunMeter:
             request.last_token_at = now
         self.requests += 1
         self.run_tokens += request.tokens_so_far
-        if not request.warmup:
-            self._fold_measured(request, now)
-
-    def _fold_measured(self, request: _Request, now: float) -> None:
         self._recent.append(request)
-        self._forget_before(now - self._window_s)
+        self._forget_before(now - self._keep_s)
+        if not request.warmup:
+            self._fold_measured(request)
+
+    def _fold_measured(self, request: _Request) -> None:
+        if self._best is not None:
+            self._best.add(request.tokens_by_second())
         speed = request.decode_tokens_per_s()
         if speed is not None:
             insort(self._speeds, speed)
@@ -188,9 +265,31 @@ class RunMeter:
         start = max(now - self._window_s, self._measured_since)
         if now <= start:
             return None
-        self._forget_before(now - self._window_s)
-        measured = chain(self._recent, (r for r in self._in_flight.values() if not r.warmup))
+        self._forget_before(now - self._keep_s)
+        measured = (r for r in chain(self._recent, self._in_flight.values()) if not r.warmup)
         return sum(r.tokens_between(start, now) for r in measured) / max(now - start, MIN_RATE_WINDOW_S)
+
+    def live_tokens_per_s(self, now: float | None = None) -> float:
+        """Output tokens of the last `LIVE_WINDOW_S` ÷ that window, warm-up included: what the card
+        does now. Always ÷ the whole window (the contract's minimum), so a run's first seconds never
+        read high, and it reads 0 one window after the load stops. A stream's tokens count once
+        it ends (spread over it), as the relay reports them."""
+        now = self._now(now)
+        self._forget_before(now - self._keep_s)
+        start = now - LIVE_WINDOW_S
+        return sum(r.tokens_between(start, now) for r in chain(self._recent, self._in_flight.values())) / LIVE_WINDOW_S
+
+    def capacity(self, now: float | None = None) -> tuple[float, float] | None:
+        """The best sustained rate of this run so far: the most measured tokens per second over any
+        full `CAPACITY_WINDOW_S` window, and when (this meter's clock) that window ended. `None`
+        until one full window was measured."""
+        if self._best is None:
+            return None
+        opened = [r.started_at for r in self._in_flight.values() if not r.warmup]
+        self._best.advance(self._now(now), min(opened, default=None))
+        if self._best.best is None or self._best.best_at is None:
+            return None
+        return self._best.best, self._best.best_at
 
     def _forget_before(self, cutoff: float) -> None:
         """Drop finished requests whose last token came before the window (finish order)."""
@@ -204,8 +303,11 @@ class RunMeter:
     def snapshot(self, now: float | None = None, roofline: Roofline | None = None) -> ThroughputSnapshot:
         """The run's figures; pass `roofline(meter.per_request_tokens_per_s(), …)` to include it."""
         now = self._now(now)
+        capacity = self.capacity(now)
         figures = ThroughputSnapshot(
             tokens_per_s=self.tokens_per_s(now),
+            live_tokens_per_s=self.live_tokens_per_s(now),
+            capacity_tokens_per_s=capacity[0] if capacity else None,
             per_request_tokens_per_s=self.per_request_tokens_per_s(),
             ttft_p50_s=_median(self._ttfts),
             run_tokens=self.run_tokens,
@@ -228,13 +330,17 @@ def aggregate(
 ) -> ThroughputSnapshot:
     """The node's figures over several engines' current runs: rates summed, medians merged.
 
-    The roofline is per engine (each has its own GPUs), so the node-level snapshot leaves it out.
+    Capacity is the sum of the engines' that measured one (each card's best, found apart). The
+    roofline is per engine (each has its own GPUs), so the node-level snapshot leaves it out.
     """
     now = clock() if now is None else now
     meters = list(meters)
     rates = [r for r in (m.tokens_per_s(now) for m in meters) if r is not None]
+    capacities = [c[0] for c in (m.capacity(now) for m in meters) if c is not None]
     return ThroughputSnapshot(
         tokens_per_s=sum(rates) if rates else None,
+        live_tokens_per_s=sum(m.live_tokens_per_s(now) for m in meters) if meters else None,
+        capacity_tokens_per_s=sum(capacities) if capacities else None,
         per_request_tokens_per_s=_median(sorted(s for m in meters for s in m.decode_speeds())),
         ttft_p50_s=_median(sorted(t for m in meters for t in m.ttfts())),
         run_tokens=sum(m.run_tokens for m in meters),

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 import httpx
 
 from worker import protocol
-from worker.events import ThroughputSnapshot
+from worker.events import MeasuredCapacity, ThroughputSnapshot
 from worker.hardware import Machine
 from worker.ledger import Books
 from worker.measure import RunMeter, aggregate, cross_check, roofline
@@ -40,13 +40,16 @@ class Metering(RelayHooks):
     engines' latest `/metrics` with the baselines they are compared with."""
 
     def __init__(self, engines: Callable[[str], EngineSupervisor | None], books: Books, terms: Terms,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
-        """`engines` finds a running engine's supervisor by id."""
+                 monotonic: Callable[[], float] = time.monotonic, clock: Callable[[], float] = time.time) -> None:
+        """`engines` finds a running engine's supervisor by id; `clock` dates measured capacities."""
         self._engine = engines
         self._books = books
         self._terms = terms
         self._monotonic = monotonic
+        self._clock = clock
         self._meters: dict[str, RunMeter] = {}
+        self._wall_offset: dict[str, float] = {}  # wall clock minus monotonic, per run: stable dates
+        self._ended: dict[str, MeasuredCapacity] = {}  # each engine's last ended run's capacity
         self._request_engine: dict[str, str] = {}  # generations handed to an engine, by request id
         self._latest: dict[str, EngineMetrics] = {}  # latest /metrics per engine
         self._at_ready: dict[str, EngineMetrics] = {}  # the run's baseline, for spec-decode figures
@@ -61,12 +64,19 @@ class Metering(RelayHooks):
         if meter is not None and meter.run_id == run_id:
             return False
         self.forget(engine_id)
-        self._meters[engine_id] = RunMeter(run_id, clock=self._monotonic)
+        terms = self._terms()
+        self._meters[engine_id] = RunMeter(run_id, model=terms[0] if terms else None, clock=self._monotonic)
+        self._wall_offset[engine_id] = self._clock() - self._monotonic()
         return True
 
     def forget(self, engine_id: str) -> None:
-        """A run's figures end with it: nothing of an old run leaks into the next."""
+        """A run's figures end with it: nothing of an old run leaks into the next, but its measured
+        capacity is kept (`last_capacity`)."""
+        capacity = self._capacity(engine_id)
+        if capacity is not None:
+            self._ended[engine_id] = capacity
         self._meters.pop(engine_id, None)
+        self._wall_offset.pop(engine_id, None)
         self._latest.pop(engine_id, None)
         self._at_ready.pop(engine_id, None)
         self._token_baseline.pop(engine_id, None)
@@ -149,6 +159,29 @@ class Metering(RelayHooks):
     def figures(self) -> ThroughputSnapshot:
         """All engines' current runs together."""
         return aggregate(self._meters.values(), clock=self._monotonic)
+
+    def _capacity(self, engine_id: str) -> MeasuredCapacity | None:
+        meter = self._meters.get(engine_id)
+        best = meter.capacity(self._monotonic()) if meter else None
+        if meter is None or best is None:
+            return None
+        return MeasuredCapacity(best[0], meter.model, best[1] + self._wall_offset[engine_id])
+
+    @property
+    def last_capacity(self) -> MeasuredCapacity | None:
+        """The node's latest measured capacity, kept across pauses and restarts: per engine, its
+        current run's, else its last ended run's; summed over the engines that measured the model
+        measured last (another model's figure says nothing of this one)."""
+        latest = dict(self._ended)
+        for engine_id in self._meters:
+            capacity = self._capacity(engine_id)
+            if capacity is not None:
+                latest[engine_id] = capacity
+        if not latest:
+            return None
+        newest = max(latest.values(), key=lambda c: c.measured_at)
+        same = [c.tokens_per_s for c in latest.values() if c.model == newest.model]
+        return MeasuredCapacity(sum(same), newest.model, newest.measured_at)
 
     def mean_kv_usage(self) -> float | None:
         """Percent of KV cache in use, averaged over the engines that report it."""

@@ -6,13 +6,14 @@ update and shutdown. Each part owns its state: the coordinator connection (`Upli
 the ledger (`Books`), who hears what and when (`Publisher`, with the `StatusFile`); `node_view`
 builds what the node shows and reports. The Node composes them on one asyncio loop, keeps the
 assignment, the plan and the pause, and turns coordinator messages and user commands into actions
-in the right order. Commands (`pause`, `resume`, `apply_settings`, `shutdown`) are safe to call
-from any thread.
+in the right order. Commands (`pause`, `resume`, `retry`, `apply_settings`, `sign_out`,
+`shutdown`, …) are safe to call from any thread. `diagnosis` words what failed for the person.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -26,6 +27,7 @@ from worker import protocol
 from worker.autopause import AutoPauser
 from worker.config import Paths, Settings, State, load_state, save_state
 from worker.datalock import DataFolderInUse, DataFolderLock
+from worker.diagnosis import network_failure, offline_problem, provision_problem
 from worker.engine_set import EngineSet
 from worker.events import EngineSnapshot, NodeSnapshot, NodeState, Problem
 from worker.gpu_watch import GpuWatch
@@ -38,10 +40,11 @@ from worker.metering import Metering
 from worker.node_view import Pause, build_hello, build_snapshot, build_status, chart_points, node_state
 from worker.plan import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
 from worker.procs import reap_leftovers
-from worker.provision.assignment import provision
+from worker.provision.assignment import OFFLINE_BACKOFF, OfflineRetry, provision
 from worker.provision.errors import ProvisionError
 from worker.publisher import Publisher, Subscriber
 from worker.relay import Relay, engine_http_client
+from worker.restart_policy import RestartBackoff
 from worker.status import StatusFile
 from worker.uplink import Uplink
 from worker.update import NodeHooks, Updater, UpdateStatus
@@ -71,7 +74,9 @@ class Node:
         first_port: int = DEFAULT_FIRST_PORT,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        offline_backoff: RestartBackoff = OFFLINE_BACKOFF,
     ) -> None:
+        """`offline_backoff`: when a download or install the network cut short is tried again."""
         self.paths = paths.ensure()
         self.settings = settings
         self._hardware_override = hardware_override
@@ -89,8 +94,9 @@ class Node:
         self._gpus = GpuWatch(nvml)
         self._engines = EngineSet(self.paths, self._gpus, on_event=self._on_engine_change,
                                   remeasure=self._remeasure_memory)
-        self._books = Books(self.paths.ledger_file, lambda: self.settings.currency)
-        self._metering = Metering(self._engines.get, self._books, self._terms, monotonic)
+        self._books = Books(self.paths.ledger_file, lambda: self.settings.currency,
+                            lambda: self.settings.electricity_price_per_kwh)
+        self._metering = Metering(self._engines.get, self._books, self._terms, monotonic, clock)
         self._status_file = StatusFile(self.paths, lambda: self._owner.held, monotonic)
         self._news = Publisher(self._build_snapshot, self._status, self._send, self._status_file)
         self._uplink = Uplink(coordinator_url, self.paths, token_provider=token_provider, backoff=backoff,
@@ -101,6 +107,7 @@ class Node:
         self._relay = Relay(self._send, self._engines.ready_targets, self._gate, http=self._engine_http,
                             hooks=self._metering)
         self._updater: Updater | None = None
+        self._offline_retry = OfflineRetry(self._tasks.spawn, offline_backoff, clock=clock)
 
         self._welcome: protocol.Welcome | None = None
         self._assignment: protocol.Assign | None = None
@@ -109,6 +116,7 @@ class Node:
         self._refused: protocol.Refused | None = None  # the latest assignment this node would not run
         self._pause: Pause | None = None
         self._draining = False
+        self._quitting = False  # from `shutdown` to the end: the snapshot says "stopping"
         self._engines_lock: asyncio.Lock | None = None
 
     # --- commands (any thread) ----------------------------------------------------------------
@@ -133,7 +141,15 @@ class Node:
 
     def token_changed(self) -> None:
         """The user signed in (again): connect now instead of waiting in `signed_out`."""
-        self._tasks.call(self._uplink.resume_after_sign_in)
+        self._tasks.call(self._sign_in)
+
+    def sign_out(self) -> None:
+        """The user signed out: the link closes and waits in `signed_out` for `token_changed`."""
+        self._tasks.call(lambda: self._tasks.spawn(self._uplink.sign_out()))
+
+    def retry(self) -> None:
+        """The user's Retry: failed engines, a failed download or install, an offline link, now."""
+        self._tasks.call(lambda: self._tasks.spawn(self._try_again()))
 
     def shutdown(self) -> None:
         self._tasks.call(lambda: self._stopping.set() if self._stopping else None)
@@ -170,14 +186,14 @@ class Node:
         reaped = await asyncio.to_thread(reap_leftovers, self.paths.run_dir)
         if reaped:
             log.warning("stopped %d engine process(es) a previous run left behind: %s", len(reaped), reaped)
+        self._news.publish()  # "Finding your GPUs…" (`detecting`) while `_detect` runs
         self.machine = await asyncio.to_thread(self._detect)
         if self._gpus.nvml is None and self._hardware_override is None and self.machine.gpus:
             self._gpus.nvml = PynvmlSource(library=find_wsl_nvml_library() if self.machine.runtime == "wsl2" else None)
         await asyncio.to_thread(self._books.open)
         try:
             self._problem = await self._uplink.open(self.machine)  # a local model that cannot be served
-            if self._uplink.linked:
-                self._tasks.spawn(self._uplink.run())
+            self._run_link()
             self._updater = Updater(
                 self.paths,
                 self.settings,
@@ -195,6 +211,8 @@ class Node:
 
     async def _close(self) -> None:
         log.info("stopping: draining requests and stopping engines")
+        self._quitting = True
+        self._news.publish()  # "Stopping…" at once; the ticker publishes `in_flight` as it drains
         self._owner.mark_stopping()  # a second start meanwhile is told to wait, not that we run on
         try:
             await self._wind_down()
@@ -224,6 +242,26 @@ class Node:
         return detect(self.settings, nvml=self._gpus.nvml, engine_bins=self._engine_bins)
 
     # --- link -----------------------------------------------------------------------------
+
+    def _run_link(self) -> None:
+        if self._uplink.linked:
+            self._tasks.spawn(self._uplink.run())
+
+    def _sign_in(self) -> None:
+        if self._uplink.resume_after_sign_in():
+            self._run_link()
+
+    async def _switch_network(self, url: str) -> None:
+        """A new network in Settings: the old one's link and assignment end, the new one's link
+        opens (the local coordinator where it is "local"), the app running on."""
+        assert self.machine is not None
+        log.info("switching to the network at %s", url)
+        problem = await self._uplink.switch(url, self.machine)
+        self._welcome = None
+        await self._unassign()
+        self._problem = problem
+        self._run_link()
+        self._news.publish()
 
     def _hello(self) -> protocol.Hello:
         assert self.machine is not None
@@ -295,7 +333,7 @@ class Node:
                         await self._refuse(assign.assignment_id, exc.problem.message)
                         return
                     await self._drain_and_stop()
-                    await self._adopt(assign, result, exc.problem)
+                    await self._adopt(assign, result, self._provision_failed(exc))
                     return
             await self._drain_and_stop()
             await self._adopt(assign, result, None)
@@ -352,20 +390,45 @@ class Node:
         try:
             engine_plans = await self._provision_tracked(self._plan)
         except ProvisionError as exc:
-            self._problem = exc.problem
+            self._problem = self._provision_failed(exc)
             return
         await self._launch(engine_plans)
+
+    def _provision_failed(self, exc: ProvisionError) -> Problem:
+        """The problem to show; one the network caused is tried again by itself, later each time."""
+        if not network_failure(exc):
+            return provision_problem(exc.problem)
+        return offline_problem(exc.problem, self._offline_retry.schedule(lambda: self._try_again(by_hand=False)))
+
+    async def _try_again(self, by_hand: bool = True) -> None:
+        """What failed, again now: the engines that gave up (fresh, their counts reset), or the
+        plan's provisioning; `by_hand` (the person's Retry) also the link, the backoff started over."""
+        assert self._engines_lock is not None
+        if by_hand:
+            self._uplink.reconnect_now()
+        async with self._engines_lock:
+            if by_hand:
+                self._offline_retry.reset()
+            if self._plan is None or self._pause is not None:
+                return
+            if self._engines:
+                await self._engines.restart_failed()
+            else:
+                await self._start_engines()
+            await self._news.send_status(force=True)
 
     async def _provision_tracked(self, current: Plan) -> list[EnginePlan]:
         """`provision`, published first and its failure logged; raises `ProvisionError`."""
         assert self.machine is not None
         self._news.publish()
         try:
-            return await provision(current, self.machine, self.paths, self.settings, self._news.on_download,
-                                   engine_bins=self._engine_bins)
+            engine_plans = await provision(current, self.machine, self.paths, self.settings, self._news.on_download,
+                                           engine_bins=self._engine_bins)
         except ProvisionError as exc:
             log.error("%s: %s", exc.problem.title, exc.problem.message)
             raise
+        self._offline_retry.reset()
+        return engine_plans
 
     async def _launch(self, engine_plans: list[EnginePlan]) -> None:
         await self._engines.launch(engine_plans)
@@ -396,13 +459,10 @@ class Node:
     def _on_engine_change(self, snap: EngineSnapshot, reason: str) -> None:
         sup = self._engines.get(snap.engine_id)
         if snap.state == "ready" and sup is not None and sup.run_id is not None:
-            if self._metering.start_run(snap.engine_id, sup.run_id):
-                self._news.notice(f"Serving {self._plan.model_name if self._plan else 'the model'} on {snap.engine_id}")
+            self._metering.start_run(snap.engine_id, sup.run_id)
         elif snap.state in ("starting", "failed", "stopped"):
             self._metering.forget(snap.engine_id)
-            if snap.state == "failed":
-                self._news.notice(f"Engine {snap.engine_id} failed: {snap.last_error}")
-        self._news.publish()
+        self._news.publish()  # serving, failing and pausing speak through the state (app/notify.py), not notices
         if self._tasks.loop:
             self._tasks.spawn(self._news.send_status())
 
@@ -411,8 +471,6 @@ class Node:
     async def _do_pause(self, reason: str, until: float | None, detail: str | None = None) -> None:
         assert self._engines_lock is not None
         self._pause = Pause(reason, until, detail)
-        if detail:
-            self._news.notice(f"Paused for {detail}")
         self.state.paused, self.state.pause_until = reason in ("user", "timed"), until
         await asyncio.to_thread(save_state, self.paths, self.state)
         log.info("paused (%s)%s", reason, f" until {time.ctime(until)}" if until else "")
@@ -435,9 +493,14 @@ class Node:
                 await self._start_engines()
 
     def _set_settings(self, settings: Settings) -> None:
+        switched = settings.coordinator_url != self.settings.coordinator_url
         self.settings = settings
         if self._updater:
             self._updater.apply_settings(settings)
+        if switched and self.machine is not None:
+            self._tasks.spawn(self._switch_network(settings.coordinator_url))
+        elif switched:  # still detecting: the link is not open yet and opens on the new network
+            self._uplink.url = settings.coordinator_url
 
     def _autopause(self) -> AutoPauser:
         """Pauses for games: GPU users that are not the app's (vLLM's workers are its engine's children)."""
@@ -463,8 +526,10 @@ class Node:
     # --- status and snapshots ----------------------------------------------------------------
 
     def _node_state(self) -> NodeState:
+        """A problem the node retries by itself (the network is down) is no failure yet."""
+        gave_up = self._problem is not None and self._problem.retry_at is None
         return node_state(paused=self._pause is not None, assigned=self._assignment is not None,
-                          planned=self._plan is not None, problem=self._problem is not None,
+                          planned=self._plan is not None, problem=gave_up,
                           engines=self._engines.states())
 
     def _status(self) -> protocol.Status:
@@ -508,7 +573,7 @@ class Node:
             gpu_samples=self._gpus.samples,
             pause=self._pause,
             assignment=self._assignment,
-            problem=self._problem or self._uplink.connection.problem,
+            problem=self._problem or self._engines.problem() or self._uplink.connection.problem,
             engines=self._engines.snapshots(),
             metrics=self._metering.latest,
             throughput=self._metering.throughput(self.machine, self._plan),
@@ -517,6 +582,9 @@ class Node:
             in_flight=self._in_flight(),
             notices=self._news.notices,
             earnings=self._books.earnings,
+            last_capacity=self._metering.last_capacity,
+            stopping=self._quitting,
+            update_ready=self._updater.ready_version if self._updater else None,
         )
 
     # --- updates --------------------------------------------------------------------------
@@ -536,6 +604,8 @@ class Node:
         """Installed and rolled-back updates become notifications; refusals stay in the log."""
         if status.phase == "installed":
             self._news.notice(f"Update {status.version} installed")
+        elif status.phase == "ready":
+            self._news.notice(f"Update {status.version} is ready: restart to install it")
         elif status.phase == "rolled_back":
             self._news.notice(f"Update {status.version} was rolled back: {status.message}")
         self._news.publish()
@@ -566,7 +636,7 @@ class Node:
                 self.shutdown()
                 return
             if await self._uplink.reopen(local_stopped=handed_over):
-                self._tasks.spawn(self._uplink.run())
+                self._run_link()
             if self._plan and not self._pause and not self._engines:
                 await self._start_engines()
         finally:

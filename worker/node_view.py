@@ -17,12 +17,14 @@ from worker.events import (
     EarningsSnapshot,
     EngineSnapshot,
     GpuSnapshot,
+    MeasuredCapacity,
     NodeSnapshot,
     NodeState,
     Problem,
     ThroughputSnapshot,
 )
 from worker.hardware import Gpu, GpuSample, Machine
+from worker.ledger import SERVING_SERIES
 from worker.metrics import EngineMetrics
 
 
@@ -193,9 +195,13 @@ def build_snapshot(
     in_flight: int,
     notices: Iterable[str],
     earnings: EarningsSnapshot | None,
+    last_capacity: MeasuredCapacity | None = None,
+    stopping: bool = False,
+    update_ready: str | None = None,
 ) -> NodeSnapshot:
     """The `NodeSnapshot` the app renders. `lent`: the cards the user lends (None: all);
-    `earnings` None until the ledger was first read."""
+    `earnings` None until the ledger was first read; `last_capacity` the latest run's measured
+    capacity, kept while nothing serves; `machine` None while it is being detected."""
     lent_set = set(lent) if lent is not None else None
     kwargs: dict[str, Any] = {}
     if earnings is not None:
@@ -221,17 +227,25 @@ def build_snapshot(
         downloads=tuple(downloads),
         in_flight=in_flight,
         notices=tuple(notices),
+        last_capacity=last_capacity,
+        detecting=machine is None,
+        stopping=stopping,
+        update_ready=update_ready,
         **kwargs,
     )
 
 
 def chart_points(throughput: ThroughputSnapshot, kv_usage_pct: float | None,
                  gpu_samples: Iterable[GpuSample]) -> list[tuple[str, float | None]]:
-    """This second's chart points by series; None where there is nothing to plot."""
-    rows: list[tuple[str, float | None]] = [("tokens_per_s", throughput.tokens_per_s), ("kv_usage", kv_usage_pct)]
-    samples = list(gpu_samples)
-    if samples:
-        utils = [s.util_pct for s in samples if s.util_pct is not None]
-        powers = [s.power_w for s in samples if s.power_w is not None]
-        rows += [("gpu_util", sum(utils) / len(utils) if utils else None), ("power_w", sum(powers) if powers else None)]
+    """This second's chart points by series; None where there is nothing to plot.
+
+    `tokens_per_s` plots the live rate (it falls to 0 when the load stops; None without an engine
+    run, which the ledger reads as not serving). Each card has its own series, `gpu{index}.util_pct`,
+    `.power_w` and `.temperature_c`: two cards merged into one line hide which one is busy or hot.
+    """
+    rows: list[tuple[str, float | None]] = [
+        (SERVING_SERIES, throughput.live_tokens_per_s), ("kv_usage", kv_usage_pct)]
+    for sample in sorted(gpu_samples, key=lambda s: s.index):
+        rows += [(f"gpu{sample.index}.util_pct", sample.util_pct), (f"gpu{sample.index}.power_w", sample.power_w),
+                 (f"gpu{sample.index}.temperature_c", sample.temperature_c)]
     return rows

@@ -33,6 +33,7 @@ from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 
 ERROR_LINES_SHOWN = 8
+DETAIL_LINES_KEPT = 40
 MEMORY_WAIT_REASON = "Another program is using the GPU's memory; waiting for it to free up"
 
 
@@ -76,6 +77,7 @@ class Ended:
     message: str
     uptime_s: float
     was_ready: bool
+    lines: tuple[str, ...] = ()  # the engine's last lines of output (what a person finds under Details)
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ def next_step(ended: Ended, *, option: int, options: int, fast_failures: int, ti
                             f"Free GPU memory (close other programs using the GPU) and try again. {ended.message}")
     if fast_failures >= timing.max_fast_failures:
         return Step("fail", f"The engine failed {fast_failures} times in a row within "
-                            f"{timing.stable_after_s:.0f} s of starting; gave up. Last error: {ended.message}")
+                            f"{timing.stable_after_s:.0f} s of starting; gave up. The last one: {ended.message}")
     return Step("retry", f"restarting: {ended.message}", backoff.delay(max(1, fast_failures)))
 
 
@@ -195,12 +197,13 @@ class AttemptFacts:
     def ending(self, status: int, tail: Sequence[str], uptime_s: float, was_ready: bool) -> Ended:
         """How an attempt whose process exited with `status` ended: what the log said explains it
         better than the status; else the last lines of output (`tail`) say what there is."""
+        lines = tuple(line for line in tail if line.strip())[-DETAIL_LINES_KEPT:]
         if self.free_memory is not None:
-            return Ended("free_memory", self.free_memory, uptime_s, was_ready)
+            return Ended("free_memory", self.free_memory, uptime_s, was_ready, lines)
         if self.too_long is not None:
-            return Ended("context", context_refusal(self.too_long), uptime_s, was_ready)
+            return Ended("context", context_refusal(self.too_long), uptime_s, was_ready, lines)
         if self.oom is not None:
-            return Ended("oom", self.oom, uptime_s, was_ready)
-        lines = [line for line in tail if line.strip()][-ERROR_LINES_SHOWN:]
-        detail = "\n".join(lines) if lines else "(no output)"
-        return Ended("crashed", f"the engine exited with status {status}; last lines:\n{detail}", uptime_s, was_ready)
+            return Ended("oom", self.oom, uptime_s, was_ready, lines)
+        detail = "\n".join(lines[-ERROR_LINES_SHOWN:]) if lines else "(no output)"
+        return Ended("crashed", f"the engine exited with status {status}; last lines:\n{detail}", uptime_s, was_ready,
+                     lines)

@@ -94,6 +94,7 @@ class EngineSupervisor:
     def __init__(self, plan: EnginePlan, *, paths: Paths, on_event: EventCallback | None = None,
                  timing: SupervisorTiming = SupervisorTiming(), backoff: RestartBackoff = RestartBackoff(),
                  sleep: Callable[[float], Any] = asyncio.sleep, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time,
                  key_factory: Callable[[], str] = lambda: secrets.token_hex(24),  # never starts with "-" (argparse)
                  base_env: Mapping[str, str] | None = None, gpu_released: procs.GpuReleased | None = None,
                  http: httpx.AsyncClient | None = None, unix_socket: bool | None = None,
@@ -101,7 +102,7 @@ class EngineSupervisor:
         """`http` is used for an engine on a TCP port; one on a Unix socket gets its own client.
         `unix_socket` None follows the platform (`UNIX_SOCKETS`); False keeps an engine on 127.0.0.1.
         `remeasure` gives the memory share to start with after vLLM found the card's memory held
-        (None: the planned share again)."""
+        (None: the planned share again). `wall_clock` dates the next start (`retry_at`) for people."""
         self.plan = plan
         self.adapter = plan.adapter
         self._paths = paths
@@ -110,6 +111,7 @@ class EngineSupervisor:
         self._backoff = backoff
         self._sleep = sleep
         self._clock = clock
+        self._wall_clock = wall_clock
         self._key_factory = key_factory
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._gpu_released = gpu_released
@@ -124,7 +126,7 @@ class EngineSupervisor:
         self._snapshot = EngineSnapshot(
             engine_id=plan.engine_id, engine=plan.engine, gpu_indices=tuple(plan.gpu_indices), layout=plan.layout,
             state="configured", tier=plan.tier, memory_mib=plan.memory_mib,
-            port=None if self._unix_socket else plan.port)
+            port=None if self._unix_socket else plan.port, restart_limit=timing.max_fast_failures)
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._process: procs.EngineProcess | None = None
@@ -132,6 +134,7 @@ class EngineSupervisor:
         self._run_id: str | None = None
         self._facts = AttemptFacts()
         self._in_flight = 0
+        self.last_ended: Ended | None = None  # how the latest attempt ended (None: none has yet)
 
     # --- what others read ----------------------------------------------------------------
 
@@ -245,19 +248,22 @@ class EngineSupervisor:
             step = next_step(ended, option=option, options=len(options), fast_failures=fast_failures, tier=tier,
                              next_tier=following, timing=self._timing, backoff=self._backoff,
                              memory_waits=memory_waits)
+            self.last_ended = ended
             if step.action == "fail":
-                self._set("failed", step.reason, last_error=step.reason)
+                self._set("failed", step.reason, last_error=step.reason, failures_in_a_row=fast_failures)
                 return
             reason = step.reason
             if step.action == "fallback":
                 option += 1
                 fast_failures = 0
+                self._update(failures_in_a_row=0)
             elif step.action == "wait":
-                self._set("starting", reason, last_error=ended.message)
+                self._set("starting", reason, last_error=ended.message, retry_at=self._wall_clock() + step.delay_s)
                 memory_waits = await self._wait_for_memory(step.delay_s, memory_waits)
                 reason = "starting with the GPU memory that is free now"
             else:
-                self._set("starting", reason, restarts=self._snapshot.restarts + 1, last_error=ended.message)
+                self._set("starting", reason, restarts=self._snapshot.restarts + 1, last_error=ended.message,
+                          failures_in_a_row=fast_failures, retry_at=self._wall_clock() + step.delay_s)
                 await self._sleep(step.delay_s)
 
     async def _wait_for_memory(self, delay_s: float, waits: int) -> int:
@@ -274,6 +280,7 @@ class EngineSupervisor:
                 return waits
             waits += 1
             delay_s = self._timing.memory_wait.delay(waits)
+            self._set("starting", "still waiting for GPU memory", retry_at=self._wall_clock() + delay_s)
 
     async def _attempt(self, tier: str | None, args: Sequence[str], pid_path: Path, reason: str) -> Ended:
         """Run one engine process until it ends or must be restarted; it is stopped on return."""
@@ -289,7 +296,7 @@ class EngineSupervisor:
         started = self._clock()
         self._set("starting", reason, tier=tier, argv=tuple(argv), phase="launching",
                   kv_cache_tokens=None, kv_cache_gib=None, max_concurrency=None, context=ContextNumbers(),
-                  log_path=str(log_path), pid=None)
+                  log_path=str(log_path), pid=None, retry_at=None)
         try:
             self._process = procs.spawn(argv, env=env, log_path=log_path, pid_path=pid_path,
                                         on_line=self.observe_line)

@@ -1,7 +1,8 @@
 """The node's one connection to a coordinator: the network's (`--coordinator URL`, through
 `Link`), the built-in local one (`--coordinator local`: `worker.localnet`, started and stopped
-here), or none (`""`, `"none"`). It keeps the connection's state as the app shows it, and marks
-for a pending update that this version started and that it reached the coordinator."""
+here), or none (`""`, `"none"`). It keeps the connection's state as the app shows it (with the
+person's sign-out and their switch to another network), and marks for a pending update that this
+version started and that it reached the coordinator."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TokenProvider = Callable[[], str | None]
+SIGNED_OUT = Problem("Signed out", "Sign in to lend your GPU to the network.", "sign_in")
 
 
 class Uplink:
@@ -60,6 +62,7 @@ class Uplink:
         self._on_change = on_change
         self._link: Link | None = None
         self._local: LocalCoordinator | None = None
+        self._signed_out = False  # the person signed out: the link stays closed until they sign in
 
     @property
     def linked(self) -> bool:
@@ -71,16 +74,17 @@ class Uplink:
         the local coordinator cannot serve its model."""
         url, token_provider, problem = await self._coordinator(machine)
         if url:
-            self._link = Link(
+            link: Link = Link(
                 url,
                 token_provider,
                 self._hello,
                 self._on_message,
                 backoff=self._backoff or Backoff(),
-                on_state=self._on_state,
+                on_state=lambda snapshot: self._on_state(link, snapshot),
                 on_disconnect=self._on_disconnect,
                 on_bad_message=self._on_bad_message,
             )
+            self._link = link
             mark_started(self._paths, __version__)  # an update waiting for this version: offline, not broken
         return problem
 
@@ -117,9 +121,40 @@ class Uplink:
         assert self._link is not None, "no requests come without a link"
         return self._link.sender()
 
-    def resume_after_sign_in(self) -> None:
-        if self._link is not None:
+    def resume_after_sign_in(self) -> bool:
+        """A new token is in place: connect now. True when the link must be `run` again (after
+        `sign_out` closed it)."""
+        if self._link is None:
+            return False
+        if not self._signed_out:
             self._link.resume_after_sign_in()
+            return False
+        self._signed_out = False
+        self._link.reopen()
+        self._set_connection(ConnectionSnapshot(self.url, "connecting"))
+        return True
+
+    def reconnect_now(self) -> None:
+        """The person's Retry: an offline link tries again at once instead of after its backoff."""
+        if self._link is not None and not self._signed_out and self.connection.state != "connected":
+            self._link.resume_after_sign_in()
+
+    async def sign_out(self) -> None:
+        """The person signed out: the link closes and the connection says `signed_out` until
+        `resume_after_sign_in` (the app removes the token itself)."""
+        self._signed_out = True
+        self._set_connection(ConnectionSnapshot(self.url, "signed_out", SIGNED_OUT))
+        if self._link is not None:
+            await self._link.close()
+
+    async def switch(self, url: str, machine: Machine) -> Problem | None:
+        """Another network, without restarting the app: the link (and the local coordinator)
+        closed, then `open` on `url`; `run` must be called again. A `Problem` as `open` gives."""
+        await self.close()
+        self._link, self._local, self._signed_out = None, None, False
+        self.url = url
+        self._set_connection(ConnectionSnapshot(url, "disabled"))
+        return await self.open(machine)
 
     async def close(self) -> None:
         """The link closed and the local coordinator stopped (the next version needs its ports)."""
@@ -140,8 +175,13 @@ class Uplink:
         self._link.reopen()
         return True
 
-    def _on_state(self, snapshot: ConnectionSnapshot) -> None:
-        self.connection = snapshot
+    def _on_state(self, link: Link, snapshot: ConnectionSnapshot) -> None:
+        if link is not self._link or self._signed_out:
+            return  # a link closing for a switch or a sign-out says nothing about the connection now
         if snapshot.state == "connected":  # tells a pending update check this version reached the coordinator
             mark_hello_reached(self._paths, __version__)
+        self._set_connection(snapshot)
+
+    def _set_connection(self, snapshot: ConnectionSnapshot) -> None:
+        self.connection = snapshot
         self._on_change()

@@ -10,7 +10,16 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from worker.ledger import Books, EnergyIntegrator, Ledger, LedgerError, Retention, earned
+from worker.ledger import (
+    CHART_WINDOW_S,
+    SERVING_SERIES,
+    Books,
+    EnergyIntegrator,
+    Ledger,
+    LedgerError,
+    Retention,
+    earned,
+)
 from worker.protocol import Price
 
 PRICE = Price(currency="USD", per_million_output_tokens=0.40, per_million_input_tokens=0.05)
@@ -177,7 +186,8 @@ def test_history_is_per_second_for_an_hour_and_per_minute_beyond(ledger: Ledger)
 
 
 def test_history_stays_bounded(tmp_path: Path) -> None:
-    series = ("tokens_per_s", "gpu0.util_pct", "gpu0.power_w", "kv_usage")
+    cards = [f"gpu{i}.{kind}" for i in range(8) for kind in ("util_pct", "power_w", "temperature_c")]
+    series = ("tokens_per_s", "kv_usage", *cards)  # eight cards, three series each
     retention = Retention(fine_s=120, coarse_s=1_800)  # scaled down: an hour of 1 s, a week of 1 min
     start = at("2026-11-01 00:00")
     with Ledger(tmp_path / "h.sqlite3", tz=BERLIN, retention=retention) as ledger:
@@ -196,6 +206,24 @@ def test_history_stays_bounded(tmp_path: Path) -> None:
     assert rows >= len(series) * (retention.fine_s + retention.coarse_s // 60)  # kept, not over-pruned
     assert oldest >= t - retention.coarse_s - 60
     assert len(newest_second) == 60
+
+
+def test_series_no_longer_recorded_are_pruned_too_even_after_a_restart(tmp_path: Path) -> None:
+    """The merged `gpu_util` of older versions, or a card taken out, must not stay in the file forever."""
+    retention = Retention(fine_s=120, coarse_s=1_800)
+    start = at("2026-11-01 00:00")
+    with Ledger(tmp_path / "h.sqlite3", tz=BERLIN, retention=retention) as old:
+        for minute in range(5):
+            old.record_samples({"gpu_util": 50.0, "gpu1.power_w": 300.0, "kv_usage": 1.0}, start + 60 * minute)
+    with Ledger(tmp_path / "h.sqlite3", tz=BERLIN, retention=retention) as ledger:
+        t = start + 300
+        while t < start + 300 + 2 * retention.coarse_s:  # only kv_usage from now on
+            ledger.record_samples({"kv_usage": 1.0}, t)
+            t += 60.0
+        assert ledger.series("gpu_util", start, now=t) == []
+        assert ledger.series("gpu1.power_w", start, now=t) == []
+        assert ledger.sample_rows() <= retention.max_rows(1)
+        assert ledger.series_names() == ["kv_usage"]
 
 
 def test_the_default_retention_is_an_hour_of_seconds_and_a_week_of_minutes() -> None:
@@ -228,6 +256,53 @@ def test_a_counter_reset_falls_back_to_power() -> None:
 
     assert integrator.add(0, 1.0, 200.0, energy_mj=100) == pytest.approx(200.0)  # driver reloaded
     assert integrator.add(0, 2.0, 200.0, energy_mj=200_100) == pytest.approx(200.0)
+
+
+def test_the_last_thirty_days_oldest_first_with_empty_days_filled(tmp_path: Path) -> None:
+    with Ledger(tmp_path / "l.sqlite3", tz=BERLIN) as ledger:
+        for day in (1, 2, 20, 25):
+            ledger.record_request(f"d{day}", "run", "m", 0, 1_000_000, PRICE, at(f"2026-11-{day:02d} 22:30"))
+        ledger.record_request("eur", "run", "m", 0, 1_000_000, Price(currency="EUR", per_million_output_tokens=9.0),
+                              at("2026-11-25 10:00"))
+        ledger.record_energy(3_600_000, at("2026-11-24 23:59:30"), 0.30, "USD")  # 1 kWh late on the 24th
+        ledger.record_energy(3_600_000, at("2026-11-01 09:00"), 0.30, "USD")  # before the thirty days
+        days = ledger.summary(at("2026-11-25 12:00"), "USD").days  # the 1st was compacted into a day total
+
+    assert len(days) == 30
+    assert days[0].day == "2026-10-27" and days[-1].day == "2026-11-25"
+    assert (days[-1].day, days[-1].energy_cost, days[-2].day, days[-2].gross) == ("2026-11-25", 0.0, "2026-11-24", 0.0)
+    assert days[-1].gross == pytest.approx(0.40) and days[-2].energy_cost == pytest.approx(0.30)
+    by_day = {d.day: d.gross for d in days}
+    assert by_day["2026-11-01"] == pytest.approx(0.40) and by_day["2026-11-02"] == pytest.approx(0.40)
+    assert by_day["2026-11-20"] == pytest.approx(0.40) and by_day["2026-11-03"] == 0.0
+    assert sum(by_day.values()) == pytest.approx(4 * 0.40)  # the euro request left out
+    assert next(d for d in days if d.day == "2026-11-01").energy_cost == pytest.approx(0.30)
+
+
+def test_days_follow_local_midnight_across_a_dst_change(tmp_path: Path) -> None:
+    with Ledger(tmp_path / "l.sqlite3", tz=BERLIN) as ledger:
+        ledger.record_request("before", "run", "m", 0, 1_000_000, PRICE, at("2026-10-24 23:30"))
+        ledger.record_request("after", "run", "m", 0, 1_000_000, PRICE, at("2026-10-25 23:30"))  # a 25-h day
+        days = ledger.summary(at("2026-10-26 12:00")).days
+    assert [(d.day, d.gross) for d in days[-3:]] == [
+        ("2026-10-24", pytest.approx(0.40)), ("2026-10-25", pytest.approx(0.40)), ("2026-10-26", 0.0)]
+
+
+def test_net_per_hour_is_over_the_hours_served_in_the_last_day(ledger: Ledger) -> None:
+    assert ledger.summary().net_per_hour is None  # nothing served
+    now = at("2026-11-25 12:00")
+    for minute in range(120):  # two hours with an engine up, busy or idle, 30 h ago and today
+        ledger.record_sample(SERVING_SERIES, 0.0, now - 30 * 3600 + 60 * minute)
+        ledger.record_sample(SERVING_SERIES, 5.0, now - 4 * 3600 + 60 * minute)
+    ledger.record_request("r", "run", "m", 0, 10_000_000, PRICE, now - 3 * 3600)  # 4.00 earned
+    ledger.record_energy(3_600_000, now - 3 * 3600, 0.50, "USD")  # 0.50 while serving
+    ledger.record_energy(3_600_000 * 4, now - 3600, 0.50, "USD")  # 2.00 while a game ran: not the node's
+
+    snap = ledger.summary(now, price_per_kwh=0.50)
+
+    assert snap.net_per_hour == pytest.approx((4.00 - 0.50) / 2)
+    assert snap.electricity_price_per_kwh == 0.50
+    assert ledger.summary(now + 86_400).net_per_hour is None  # a day later: nothing served in the last 24 h
 
 
 def test_midnight_utc_offsets_without_zoneinfo(tmp_path: Path) -> None:
@@ -272,7 +347,7 @@ async def test_books_read_earnings_in_the_users_currency_and_chart_points_withou
     await books.close()
 
 
-async def test_chart_history_is_served_from_memory_and_survives_a_restart(tmp_path: Path, monkeypatch) -> None:
+async def test_chart_history_is_served_from_memory_and_survives_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The dashboard asks for its charts every second on the GUI thread: never through SQLite."""
     now = time.time()
     first = Books(tmp_path / "ledger.sqlite3", lambda: "USD")
@@ -294,3 +369,18 @@ async def test_chart_history_is_served_from_memory_and_survives_a_restart(tmp_pa
     assert again.chart("gpu_util", now - 60) == [] and again.chart("never", now - 60) == []
     await again.close()
     assert again.chart("tokens_per_s", now - 60) == []  # closed: nothing shown
+
+
+async def test_books_give_the_electricity_price_and_forget_cards_no_longer_sampled(tmp_path: Path) -> None:
+    price = [0.0]
+    books = Books(tmp_path / "ledger.sqlite3", lambda: "USD", lambda: price[0])
+    books.open()
+    assert books.earnings is not None and books.earnings.electricity_price_per_kwh == 0.0  # not set: the app nudges
+    price[0] = 0.32
+    now = time.time()
+    books.record_samples([("gpu1.power_w", 300.0), ("tokens_per_s", 1.0)], now)
+    assert books.earnings.electricity_price_per_kwh == 0.32 and len(books.earnings.days) == 30
+    books.record_samples([("tokens_per_s", 2.0)], now + CHART_WINDOW_S + 1)  # the card is gone
+    assert books.chart("gpu1.power_w", 0.0) == [] and "gpu1.power_w" not in books._charts
+    assert [v for _, v in books.chart("tokens_per_s", 0.0)] == [2.0]
+    await books.close()

@@ -3,7 +3,9 @@ from __future__ import annotations
 import pytest
 
 from worker.events import ThroughputSnapshot
+from worker.events import LIVE_WINDOW_S
 from worker.measure import (
+    CAPACITY_WINDOW_S,
     RunMeter,
     aggregate,
     context_numbers,
@@ -143,7 +145,7 @@ def test_a_restart_starts_a_run_that_reads_empty_and_old_figures_do_not_leak() -
 
     clock.now = 20.0  # the engine crashed and came back ready
     second = RunMeter("run-2", clock=clock, warmup_requests=1)
-    assert second.snapshot() == ThroughputSnapshot(run_seconds=0.0)
+    assert second.snapshot() == ThroughputSnapshot(run_seconds=0.0, live_tokens_per_s=0.0)  # ready, idle
 
     stream(second, "b0", 21.0, 3.0, 101, 10.0)  # warm-up of the new run
     stream(second, "b1", 35.0, 0.2, 51, 1.0)
@@ -168,6 +170,84 @@ def test_aggregate_sums_rates_and_merges_medians() -> None:
     assert node.per_request_tokens_per_s == pytest.approx(20.0)
     assert (node.requests, node.run_tokens, node.run_seconds) == (3, 63, 10.0)
     assert aggregate([idle], now=10.0).tokens_per_s is None
+
+
+def steady(meter: RunMeter, start: float, seconds: int, streams: int = 1, tokens_per_s: int = 20) -> float:
+    """Back-to-back 5-s streams of `tokens_per_s` (plus each one's first token), `streams` at once,
+    from `start` for `seconds`; returns the end."""
+    t = start
+    while t < start + seconds:
+        for n in range(streams):
+            stream(meter, f"s{t}-{n}", t, 0.0, 5 * tokens_per_s + 1, 5.0)
+        t += 5.0
+    return t
+
+
+def test_the_live_rate_is_the_last_ten_seconds_and_reads_zero_once_the_load_stops() -> None:
+    meter = RunMeter("run-1", started_at=0.0, warmup_requests=0)
+    assert meter.live_tokens_per_s(1.0) == 0.0  # ready and idle: zero, not unknown
+    end = steady(meter, 0.0, 120)  # two minutes at ~20 tok/s
+    assert meter.live_tokens_per_s(end) == pytest.approx(2 * 101 / LIVE_WINDOW_S)
+    assert meter.tokens_per_s(end) == pytest.approx(12 * 101 / 60.0)  # the coordinator's figure is unchanged
+
+    assert meter.live_tokens_per_s(end + 7.5) == pytest.approx(50 / LIVE_WINDOW_S)  # half of the last stream
+    assert meter.live_tokens_per_s(end + LIVE_WINDOW_S + 0.5) == 0.0  # stopped: zero within the window
+    assert (meter.tokens_per_s(end + LIVE_WINDOW_S + 0.5) or 0.0) > 10.0  # while the run's average still decays
+
+
+def test_the_live_rate_never_reads_high_and_counts_warm_up() -> None:
+    meter = RunMeter("run-1", started_at=0.0, warmup_requests=1)
+    stream(meter, "cold", 0.0, 0.1, 100, 1.9)  # 100 tokens in a run's first 2 s
+    assert meter.live_tokens_per_s(2.0) == pytest.approx(100 / LIVE_WINDOW_S)  # not 50 tok/s
+    assert meter.tokens_per_s(2.0) is None  # warm-up stays out of the run's rate
+
+
+def test_capacity_is_the_best_full_window_of_the_run() -> None:
+    meter = RunMeter("run-1", started_at=0.0, warmup_requests=0)
+    steady(meter, 0.0, 25)
+    assert meter.capacity(29.0) is None  # no full window yet
+    t = steady(meter, 25.0, 35)  # 60 s at 20.2 tok/s
+    assert meter.capacity(t) == pytest.approx((6 * 101 / CAPACITY_WINDOW_S, 30.0))  # the first full window
+    t = steady(meter, t, 60, streams=3)  # a minute of three streams at once
+    steady(meter, t, 60)  # then one again
+    best = 3 * 6 * 101 / CAPACITY_WINDOW_S
+    assert meter.capacity(t + 60) == pytest.approx((best, t - 30.0))  # first reached half-way through
+    assert meter.capacity(t + 3600) == pytest.approx((best, t - 30.0))  # an idle hour: still the best it did
+    assert meter.snapshot(t + 3600).capacity_tokens_per_s == pytest.approx(best)
+
+
+def test_capacity_waits_for_open_streams_and_leaves_warm_up_out() -> None:
+    meter = RunMeter("run-1", started_at=0.0, warmup_requests=1)
+    stream(meter, "cold", 0.0, 5.0, 1000, 5.0)  # torch.compile's slow request: not measured
+    meter.request_started("long", 10.0)
+    meter.first_token("long", 10.0)
+    assert meter.capacity(70.0) is None  # a window the open stream overlaps is not measured yet
+    meter.request_finished("long", 70.0, Usage(completion_tokens=1201))  # 20 tok/s over the minute
+    capacity = meter.capacity(70.0)
+    assert capacity is not None and capacity[0] == pytest.approx(20.0, abs=0.05)
+
+
+def test_the_capacity_of_a_long_run_keeps_a_bounded_memory() -> None:
+    meter = RunMeter("run-1", started_at=0.0, warmup_requests=0)
+    t = 0.0
+    for _ in range(60):
+        t = steady(meter, t, 60)
+        meter.capacity(t)
+    assert meter._best is not None and len(meter._best._seconds) <= CAPACITY_WINDOW_S + 1
+
+
+def test_aggregate_gives_live_and_capacity_per_node() -> None:
+    one = RunMeter("e0", started_at=0.0, warmup_requests=0)
+    two = RunMeter("e1", started_at=0.0, warmup_requests=0)
+    steady(one, 0.0, 60)
+    steady(two, 0.0, 60, streams=2)
+
+    node = aggregate([one, two], now=60.0)
+
+    assert node.live_tokens_per_s == pytest.approx(3 * 2 * 101 / LIVE_WINDOW_S)
+    assert node.capacity_tokens_per_s == pytest.approx(3 * 6 * 101 / CAPACITY_WINDOW_S)
+    assert aggregate([], now=60.0).live_tokens_per_s is None  # no engine run: unknown, not zero
+    assert aggregate([RunMeter("e2", started_at=0.0)], now=60.0).capacity_tokens_per_s is None
 
 
 def test_roofline_share_against_bandwidth_over_weights() -> None:

@@ -28,6 +28,7 @@ CARD = Gpu(index=0, uuid="GPU-0", name="NVIDIA GeForce RTX 4090", memory_total_m
 MACHINE = Machine(os="linux", runtime="native", arch="x86_64", cpu_model="cpu", cpu_cores=8, ram_mib=65536,
                   gpus=(CARD,))
 TARGET = EngineTarget("e0", "http://127.0.0.1:18100", "key", "m")
+WALL = 1_800_000_000.0  # the wall clock minus the monotonic one, in these tests
 
 
 class Clock:
@@ -72,16 +73,23 @@ class Setup:
         self.books = Books(tmp_path / "ledger.sqlite", lambda: "USD")
         self.books.open()
         self.terms = terms
-        self.metering = Metering({"e0": self.sup}.get, self.books, lambda: self.terms, self.clock)
+        self.metering = Metering({"e0": self.sup}.get, self.books, lambda: self.terms, self.clock,
+                                 lambda: self.clock.now + WALL)
 
-    def generate(self, request_id: str, tokens: int, *, seconds: float = 1.0) -> None:
+    def generate(self, request_id: str, tokens: int, *, seconds: float = 1.0, engine: str = "e0") -> None:
         """One streamed generation, as the relay reports it."""
-        self.metering.on_start(request_id, "e0", self.clock.now)
+        self.metering.on_start(request_id, engine, self.clock.now)
         self.clock.now += 0.1
         self.metering.on_first_token(request_id, self.clock.now)
         self.clock.now += seconds
         usage = protocol.Usage(prompt_tokens=0, completion_tokens=tokens)
-        self.metering.on_end(request_id, "e0", self.clock.now, usage, True)
+        self.metering.on_end(request_id, engine, self.clock.now, usage, True)
+
+    def load(self, seconds: float, tokens_per_s: int = 20, engine: str = "e0") -> None:
+        """Back-to-back generations of `tokens_per_s` for `seconds` (each 5 s long)."""
+        end = self.clock.now + seconds
+        while self.clock.now < end:
+            self.generate(f"r-{self.clock.now}", 5 * tokens_per_s, seconds=4.9, engine=engine)
 
 
 @pytest.fixture
@@ -206,3 +214,59 @@ async def test_one_engine_has_its_roofline_share_several_or_none_do_not(setup: S
     assert line.roofline_share == pytest.approx(50.0 / ceiling)
     assert setup.metering.throughput(MACHINE, None).roofline_share is None  # nothing planned: no weights known
     assert setup.metering.throughput(None, plan) == setup.metering.figures()
+
+
+async def test_the_live_rate_follows_the_load_and_is_unknown_without_a_run(setup: Setup) -> None:
+    assert setup.metering.figures().live_tokens_per_s is None  # no engine run
+    setup.metering.start_run("e0", "run-1")
+    assert setup.metering.figures().live_tokens_per_s == 0.0  # ready and idle
+    setup.load(60)
+    assert setup.metering.figures().live_tokens_per_s == pytest.approx(20.0, rel=0.05)
+    setup.clock.now += 11
+    assert setup.metering.figures().live_tokens_per_s == 0.0
+    assert (setup.metering.figures().tokens_per_s or 0.0) > 10.0  # the coordinator's run average decays slowly
+
+
+async def test_the_measured_capacity_follows_the_run_and_outlives_it(setup: Setup) -> None:
+    setup.metering.start_run("e0", "run-1")
+    assert setup.metering.last_capacity is None
+    setup.load(90, tokens_per_s=40)
+    best = setup.metering.last_capacity
+    assert best is not None and best.model == "qwen3-8b" and best.tokens_per_s == pytest.approx(40.0, rel=0.05)
+    assert WALL + 100 < best.measured_at <= WALL + setup.clock.now  # a wall-clock date, within the run
+    assert setup.metering.figures().capacity_tokens_per_s == best.tokens_per_s
+    setup.load(60, tokens_per_s=20)
+    assert setup.metering.last_capacity == best  # the best so far, not the latest
+
+    setup.metering.forget("e0")  # paused: the engine stopped
+    setup.clock.now += 3600
+    assert setup.metering.figures().capacity_tokens_per_s is None
+    assert setup.metering.last_capacity == best  # kept while nothing serves
+
+    assert setup.metering.start_run("e0", "run-2")  # resumed: a new run
+    setup.load(20, tokens_per_s=10)
+    assert setup.metering.last_capacity == best  # no full window yet: still the last run's
+    setup.load(60, tokens_per_s=10)
+    again = setup.metering.last_capacity
+    assert again is not None and again.tokens_per_s == pytest.approx(10.0, rel=0.05)  # follows the new run
+    assert again.measured_at > best.measured_at
+
+
+async def test_engines_capacities_add_up_for_one_model_only(setup: Setup) -> None:
+    setup.metering.start_run("e0", "run-1")
+    setup.metering.start_run("e1", "run-1")
+    setup.load(60, tokens_per_s=40)
+    setup.load(60, tokens_per_s=20, engine="e1")
+    both = setup.metering.last_capacity
+    assert both is not None and both.tokens_per_s == pytest.approx(60.0, rel=0.05)
+    setup.metering.forget("e0")  # paused: one engine stops, then the other
+    assert setup.metering.last_capacity == both
+    setup.metering.forget("e1")
+    assert setup.metering.last_capacity == both
+
+    setup.terms = ("llama-70b", PRICE)  # another model, now on one engine
+    setup.metering.start_run("e1", "run-2")
+    setup.load(60, tokens_per_s=10, engine="e1")
+    latest = setup.metering.last_capacity
+    assert latest is not None and latest.model == "llama-70b"
+    assert latest.tokens_per_s == pytest.approx(10.0, rel=0.05)  # qwen3-8b's e0 left out

@@ -11,6 +11,7 @@ from worker.events import (
     DownloadProgress,
     EarningsSnapshot,
     EngineSnapshot,
+    MeasuredCapacity,
     NodeSnapshot,
     Problem,
     ThroughputSnapshot,
@@ -160,6 +161,13 @@ def test_the_snapshot_gathers_its_inputs() -> None:
     assert snap.notices == ("Serving qwen3-8b on e0",)
     assert snap.gpus[0].util_pct == 97.0 and snap.groups == ((0,),) and snap.effective_vram_mib == 20188
     assert snap.earnings == EarningsSnapshot()  # not read yet: the empty figures
+    assert snap.last_capacity is None
+
+
+def test_the_snapshot_keeps_the_last_measured_capacity_while_paused() -> None:
+    kept = MeasuredCapacity(tokens_per_s=61.5, model="qwen3-8b", measured_at=1_800_000_000.0)
+    snap = snapshot(pause=Pause("game", None), engines=[], throughput=ThroughputSnapshot(), last_capacity=kept)
+    assert snap.last_capacity == kept and snap.throughput.capacity_tokens_per_s is None
 
 
 def test_the_snapshot_shows_a_pause_earnings_downloads_and_a_node_without_a_machine() -> None:
@@ -172,8 +180,19 @@ def test_the_snapshot_shows_a_pause_earnings_downloads_and_a_node_without_a_mach
     assert (snap.runtime, snap.gpus, snap.groups, snap.effective_vram_mib) == ("cpu", (), (), 0)
 
 
-def test_chart_points_average_utilisation_and_sum_power() -> None:
+def test_chart_points_plot_the_live_rate_and_each_card_apart() -> None:
     second = GpuSample(index=1, util_pct=None, memory_used_mib=None, power_w=100.0, temperature_c=None, energy_mj=None)
-    rows = chart_points(ThroughputSnapshot(tokens_per_s=42.0), 30.0, [SAMPLE, second])
-    assert rows == [("tokens_per_s", 42.0), ("kv_usage", 30.0), ("gpu_util", 97.0), ("power_w", 530.0)]
-    assert chart_points(ThroughputSnapshot(), None, []) == [("tokens_per_s", None), ("kv_usage", None)]
+    figures = ThroughputSnapshot(tokens_per_s=42.0, live_tokens_per_s=0.0)  # the load stopped: the average lags
+    rows = chart_points(figures, 30.0, [second, SAMPLE])
+    assert rows == [("tokens_per_s", 0.0), ("kv_usage", 30.0),
+                    ("gpu0.util_pct", 97.0), ("gpu0.power_w", 430.0), ("gpu0.temperature_c", 71.0),
+                    ("gpu1.util_pct", None), ("gpu1.power_w", 100.0), ("gpu1.temperature_c", None)]
+    assert chart_points(ThroughputSnapshot(), None, []) == [("tokens_per_s", None), ("kv_usage", None)]  # a CPU node
+
+
+def test_chart_points_of_eight_cards() -> None:
+    samples = [GpuSample(index=i, util_pct=50.0, memory_used_mib=1, power_w=300.0, temperature_c=60.0, energy_mj=None)
+               for i in range(8)]
+    names = [name for name, _ in chart_points(ThroughputSnapshot(live_tokens_per_s=1.0), 10.0, samples)]
+    assert len(names) == len(set(names)) == 2 + 8 * 3
+    assert "gpu7.temperature_c" in names and "gpu_util" not in names and "power_w" not in names

@@ -156,7 +156,7 @@ def test_failures_change_nothing_shown_and_explain_the_end_first_free_memory_the
     facts, snap = AttemptFacts(), starting()
     assert facts.absorb(OutOfMemory("CUDA out of memory"), snap) is snap
     assert facts.absorb(OutOfMemory("a second one"), snap) is snap
-    assert facts.ending(1, ["x"], 3.0, False) == Ended("oom", "CUDA out of memory", 3.0, False)
+    assert facts.ending(1, ["x", " "], 3.0, False) == Ended("oom", "CUDA out of memory", 3.0, False, ("x",))
     facts.absorb(ContextTooLong(131072, 34480), snap)
     assert facts.ending(1, [], 3.0, False) == Ended("context", context_refusal(ContextTooLong(131072, 34480)), 3.0,
                                                     False)
@@ -171,4 +171,10 @@ def test_failures_change_nothing_shown_and_explain_the_end_first_free_memory_the
 ])
 def test_a_crash_the_log_does_not_explain_shows_the_last_lines(tail: list[str], shown: str) -> None:
     ended = AttemptFacts().ending(137, tail, 5.0, True)
-    assert ended == Ended("crashed", f"the engine exited with status 137; last lines:\n{shown}", 5.0, True)
+    assert ended.kind == "crashed" and ended.uptime_s == 5.0 and ended.was_ready
+    assert ended.message == f"the engine exited with status 137; last lines:\n{shown}"
+
+
+def test_an_ending_keeps_the_last_forty_lines_for_details() -> None:
+    tail = ["", *(f"line {i}" for i in range(50))]
+    assert AttemptFacts().ending(1, tail, 1.0, False).lines == tuple(f"line {i}" for i in range(10, 50))

@@ -214,3 +214,30 @@ async def test_the_node_gives_no_figure_where_the_cards_cannot_be_read(tmp_path:
     tensor = dataclasses.replace(plan(), gpu_indices=(0, 1), layout="tensor")
     assert await node_on(tmp_path / "a", unread)._remeasure_memory(tensor) is None
     assert await node_on(tmp_path / "b", None)._remeasure_memory(tensor) is None  # no NVML on this machine
+
+
+# --- restarts a person can follow ------------------------------------------------------------
+
+
+async def test_a_crash_loop_counts_its_failures_and_dates_each_restart(tmp_path: Path) -> None:
+    """"Restarting (2 of 3) at 14:02": the quick failures so far, the limit, and the wall-clock
+    time of the next start while the supervisor waits; the count stays on the failed snapshot."""
+    crashing = script(tmp_path / "vllm", "import sys\nprint('CUDA error: device lost')\nsys.exit(3)\n")
+    waiting: list[tuple[int, int, float | None]] = []
+    sup: EngineSupervisor
+
+    async def record_the_wait(seconds: float) -> None:
+        snap = sup.snapshot()
+        waiting.append((snap.failures_in_a_row, snap.restart_limit, snap.retry_at))
+
+    sup = EngineSupervisor(dataclasses.replace(plan(), executable=(str(crashing),)),
+                           paths=Paths.under(tmp_path).ensure(), sleep=record_the_wait, wall_clock=lambda: 1000.0,
+                           timing=SupervisorTiming(max_fast_failures=3, poll_s=0.05, output_settle_s=2.0))
+    assert sup.snapshot().restart_limit == 3
+    await sup.start()
+    failed = await sup.wait_for_state("failed", timeout=10)
+    await sup.stop()
+    assert waiting == [(1, 3, 1002.0), (2, 3, 1004.0)]  # the default backoff: 2 s, then 4 s
+    assert (failed.failures_in_a_row, failed.retry_at) == (3, None)
+    assert sup.last_ended is not None and sup.last_ended.kind == "crashed"
+    assert "device lost" in sup.last_ended.message

@@ -1,11 +1,15 @@
 """What an accepted plan needs on the machine before its engines start: the model's files and the
-engine, each found or fetched; the engine plans rewritten to use them. Raises `ProvisionError`."""
+engine, each found or fetched; the engine plans rewritten to use them. Raises `ProvisionError`.
+`OfflineRetry` tries a provisioning the network cut short again by itself, later each time."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
+from typing import Any
 
 from worker.config import Paths, Settings
 from worker.hardware import Machine
@@ -13,6 +17,9 @@ from worker.plan import EnginePlan, Plan
 from worker.provision.engine_install import accelerator_of, cuda_version, ensure_engine, library_env
 from worker.provision.models import ensure_model
 from worker.provision.progress import ProgressCallback
+from worker.restart_policy import RestartBackoff
+
+OFFLINE_BACKOFF = RestartBackoff(initial_s=15.0, maximum_s=600.0)  # 15 s doubling to 10 min
 
 
 async def provision(current: Plan, machine: Machine, paths: Paths, settings: Settings, on_progress: ProgressCallback,
@@ -43,3 +50,41 @@ async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_p
         cuda_driver=cuda_version(machine.cuda_version),
     )
     return install.executable, library_env(install.library_dir) if install.library_dir else {}
+
+
+class OfflineRetry:
+    """When a provisioning the network cut short runs again: after `backoff`'s delay for the
+    failures in a row so far; one wait at a time, which `reset` (a success, a Retry) ends."""
+
+    def __init__(self, spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]], backoff: RestartBackoff = OFFLINE_BACKOFF,
+                 *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`spawn` runs a coroutine as the node's task (cancelled with the others at the end)."""
+        self._spawn = spawn
+        self._backoff = backoff
+        self._sleep = sleep
+        self._clock = clock
+        self._wait: asyncio.Task[Any] | None = None
+        self.failures = 0
+
+    def schedule(self, again: Callable[[], Coroutine[Any, Any, Any]]) -> float:
+        """`again()` after the next delay (as its own task); returns when, in wall-clock seconds."""
+        self._cancel()
+        self.failures += 1
+        delay = self._backoff.delay(self.failures)
+        self._wait = self._spawn(self._later(delay, again))
+        return self._clock() + delay
+
+    def reset(self) -> None:
+        self._cancel()
+        self.failures = 0
+
+    def _cancel(self) -> None:
+        if self._wait is not None:
+            self._wait.cancel()
+            self._wait = None
+
+    async def _later(self, delay: float, again: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        await self._sleep(delay)
+        self._wait = None  # `again` may schedule the next wait: this one must not be cancelled by it
+        self._spawn(again())

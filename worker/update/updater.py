@@ -141,6 +141,11 @@ class Updater:
     def status(self) -> UpdateStatus:
         return self._status
 
+    @property
+    def ready_version(self) -> str | None:
+        """The version downloaded, verified and unpacked, waiting to be installed (on a restart)."""
+        return self._staged.version if self._staged is not None else None
+
     def apply_settings(self, settings: Settings) -> None:
         self._settings = settings
 

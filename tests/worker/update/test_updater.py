@@ -343,13 +343,16 @@ async def test_without_auto_install_the_update_waits_for_the_users_click(
 ) -> None:
     updater = rig.updater(Settings(auto_install_updates=False))
     rig.node.in_flight_counts = [3]
+    assert updater.ready_version is None
     assert await updater.offer(rig.publish("0.2.0"))
     assert updater.status().phase == "ready" and rig.install.current() is None
+    assert updater.ready_version == "0.2.0"  # the app offers "Restart to update"
     assert await updater.install_now()
     assert rig.install.current() == "0.2.0" and rig.node.calls == [
         "stop_serving",
         "exit_app",
     ]
+    assert updater.ready_version is None
     assert not await updater.install_now()
 
 
