@@ -67,6 +67,7 @@ class Bridge(QObject):
         self.latest: NodeSnapshot = node.snapshot()
         self.snapshot_changed.connect(self._remember)
         self._unsubscribe = node.subscribe(self.snapshot_changed.emit)
+        self._stop_requested = False
 
     def _remember(self, snapshot: NodeSnapshot) -> None:
         self.latest = snapshot
@@ -120,7 +121,13 @@ class Bridge(QObject):
     def log_files(self) -> dict[str, Path]:
         return self.node.log_files()
 
+    def request_stop(self) -> None:
+        """Quit was asked: the core drains and stops while snapshots keep coming ("Stopping…")."""
+        if not self._stop_requested:
+            self._stop_requested = True
+            self.node.shutdown()
+
     def shutdown(self) -> None:
-        """Stop listening, then ask the core to stop its engines and end its loop."""
+        """Stop listening, then ask the core to stop its engines and end its loop (once)."""
         self._unsubscribe()
-        self.node.shutdown()
+        self.request_stop()

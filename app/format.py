@@ -5,16 +5,16 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from worker.events import NodeSnapshot, PauseReason
+from worker.events import EngineSnapshot, GpuSnapshot, NodeSnapshot, PauseReason
 
 TrayState = Literal["idle", "starting", "serving", "paused", "degraded", "failed"]
 
-STATE_COLOURS: dict[TrayState, str] = {
-    "idle": "#8A94A6",
-    "starting": "#3B82F6",
-    "serving": "#16A34A",
-    "paused": "#D97706",
-    "degraded": "#EA580C",
+STATE_COLOURS: dict[TrayState, str] = {  # white text on each reads at 4.5:1 or better, in both schemes
+    "idle": "#6B7280",
+    "starting": "#2563EB",
+    "serving": "#15803D",
+    "paused": "#B45309",
+    "degraded": "#C2410C",
     "failed": "#DC2626",
 }
 
@@ -118,19 +118,87 @@ def money(amount: float, currency: str) -> str:
     return f"{sign}{abs(amount):,.2f} {currency.upper()}"
 
 
-def tooltip(snapshot: NodeSnapshot) -> str:
-    """State, model, tok/s and today's earnings, in the few lines a tray tooltip shows."""
-    lines = ["GPU Provider — " + status_line(snapshot)]
-    if snapshot.model:
-        lines.append(f"{snapshot.model} · {rate(snapshot.throughput.tokens_per_s)}")
-    lines.append("Today: " + money(snapshot.earnings.net_today, snapshot.earnings.currency) + " net")
-    return "\n".join(lines)
+FINDING_GPUS = "Finding your GPUs…"
+CPU_ONLY = "No graphics card found: this computer will serve small models on its CPU."
+
+
+def gpu_line(gpu: GpuSnapshot) -> str:
+    return f"GPU {gpu.index}: {gpu.name}, {gib(gpu.memory_total_mib)}"
 
 
 def machine_summary(snapshot: NodeSnapshot) -> str:
-    """One line per GPU and the totals, as detected by the core."""
+    """What the core found, in a gamer's words: the GPUs and the memory they give to serving."""
+    if snapshot.detecting:
+        return FINDING_GPUS
     if not snapshot.gpus:
-        return f"No GPU detected (runtime {snapshot.runtime}). This computer can serve small models on its CPU."
-    lines = [f"GPU {g.index}: {g.name}, {gib(g.memory_total_mib)}" for g in snapshot.gpus]
-    lines.append(f"Runtime {snapshot.runtime} · {gib(snapshot.effective_vram_mib)} usable for serving")
+        return CPU_ONLY
+    lines = [gpu_line(g) for g in snapshot.gpus]
+    lines.append(f"{gib(snapshot.effective_vram_mib)} of graphics memory usable for serving")
     return "\n".join(lines)
+
+
+def tokens_short(tokens: int) -> str:
+    """ "32k" for 32,768, "128k" for 131,072, "900" below a thousand."""
+    if tokens < 1000:
+        return str(tokens)
+    thousands = tokens // 1024 if tokens % 1024 == 0 else round(tokens / 1000)
+    return f"{thousands}k"
+
+
+def context_words(engine: EngineSnapshot) -> str:
+    """ "32k tokens per chat, 8 chats at once": what a person can do with the engine's memory."""
+    servable = engine.context.servable or engine.context.requested
+    if servable is None:
+        return "Known once the model has loaded"
+    words = f"{tokens_short(servable)} tokens per chat"
+    if engine.max_concurrency is None:
+        return words
+    chats = max(1, int(engine.max_concurrency))
+    return f"{words}, {chats} chat{'s' if chats != 1 else ''} at once"
+
+
+def kv_tooltip(engine: EngineSnapshot) -> str:
+    """The numbers behind `context_words`, for the curious (a tooltip, not the screen)."""
+    if engine.kv_cache_tokens is None:
+        return "The memory for conversations is measured once the model has loaded."
+    size = "" if engine.kv_cache_gib is None else f" ({engine.kv_cache_gib:.1f} GiB)"
+    return f"Memory for conversations (KV cache): {engine.kv_cache_tokens:,} tokens{size}."
+
+
+def gpus_words(gpu_indices: tuple[int, ...], layout: str) -> str:
+    """How an engine uses its GPUs: "2 GPUs working as one", "GPU 0", "the CPU"."""
+    if not gpu_indices:
+        return "the CPU"
+    if len(gpu_indices) == 1:
+        return f"GPU {gpu_indices[0]}"
+    n = len(gpu_indices)
+    return {
+        "tensor": f"{n} GPUs working as one",
+        "layers": f"{n} GPUs sharing the model",
+        "replica": f"{n} GPUs, a copy on each",
+    }.get(layout, f"{n} GPUs")
+
+
+def groups_words(groups: tuple[tuple[int, ...], ...]) -> str:
+    """The plan for the GPUs: "2 GPUs working as one", "2 GPUs, each on its own"."""
+    if not groups:
+        return ""
+    if len(groups) == 1:
+        return gpus_words(groups[0], "tensor")
+    if all(len(g) == 1 for g in groups):
+        return f"{len(groups)} GPUs, each on its own"
+    return " and ".join(gpus_words(g, "tensor") for g in groups)
+
+
+def engine_state_words(engine: EngineSnapshot) -> str:
+    """ "Serving", "Starting", "Restarting (3 of 5)", "Failed"."""
+    if engine.state == "starting" and engine.failures_in_a_row > 0:
+        return f"Restarting ({engine.failures_in_a_row} of {engine.restart_limit})"
+    return {"ready": "Serving"}.get(engine.state, engine.state.capitalize())
+
+
+def retry_words(retry_at: float | None, now: float | None = None) -> str:
+    """ "Trying again at 14:32", or "" when nothing will be retried by itself."""
+    if retry_at is None:
+        return ""
+    return f"Trying again at {clock_time(retry_at, now)}"

@@ -1,6 +1,10 @@
 """Start the desktop app: one instance per data folder, the core on its own thread, a tray icon
 (or the dashboard where there is no tray), and a Quit that stops the engines before exiting.
 
+A new install opens the first-run flow (app/first_run.py) beside the dashboard, never modal to the
+whole app: the core detects the machine meanwhile, and Quit, SIGTERM and `--quit-after` work as
+always. A set-up app without a token for a real network offers sign-in instead.
+
 The data folder's lock (worker/datalock.py, held by the core) decides who runs; a local socket
 named after the owner's pid only brings its window forward. Named per process, an updated
 version's socket never collides with the one of the version it replaces, which keeps its own
@@ -18,19 +22,21 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QTimer, Signal
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
 from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
 
+from app import theme
 from app.bridge import Bridge, NodeLike
 from app.core_thread import CoreThread
 from app.dashboard import Dashboard
+from app.first_run import FirstRunFlow
 from app.icons import state_icon
 from app.logs import LogsWindow, redact_token
 from app.settings import SettingsDialog
 from app.signin import SignInDialog
 from app.tray import Tray
-from worker import applog, autostart, secrets
+from worker import applog, autostart, networks, secrets
 from worker.config import Paths, Settings, load_settings
 from worker.datalock import DataFolderLock, Owner, in_use_message
 
@@ -89,6 +95,7 @@ class DesktopApp(QObject):
         tray_available: bool,
         redact: Callable[[str], str],
         data_dir: str | None = None,
+        coordinator: str | None = None,
     ) -> None:
         super().__init__()
         self.qapp = qapp
@@ -97,29 +104,70 @@ class DesktopApp(QObject):
         self.bridge = Bridge(node)
         self._redact = redact
         self._data_dir = data_dir  # what `--data-dir` said: the login item must start the same node
+        self._coordinator = coordinator  # what `--coordinator` said, until the person picks a network
+        self.first_run: FirstRunFlow | None = None
+        self.sign_in: SignInDialog | None = None
         self.dashboard = Dashboard(self.bridge, hide_on_close=tray_available)
         self.dashboard.setWindowIcon(state_icon("serving"))
         self.dashboard.settings_requested.connect(self.open_settings)
         self.dashboard.logs_requested.connect(self.open_logs)
         self.dashboard.sign_in_requested.connect(self.open_sign_in)
+        self.dashboard.retry_requested.connect(self.bridge.retry)
+        self.dashboard.update_requested.connect(self.bridge.install_update_now)
         self.tray: Tray | None = None
         if tray_available:
             self.tray = Tray(self.bridge)
             self.tray.open_dashboard.connect(self.dashboard.bring_forward)
             self.tray.open_settings.connect(self.open_settings)
             self.tray.open_logs.connect(self.open_logs)
+            self.tray.sign_in_requested.connect(self.open_sign_in)
+            self.tray.retry_requested.connect(self.bridge.retry)
+            self.tray.update_requested.connect(self.bridge.install_update_now)
             self.tray.quit_requested.connect(self.quit)
             self.tray.icon.show()
         qapp.setQuitOnLastWindowClosed(not tray_available)
-        self.core_finished.connect(self.quit)
+        self._quitting = False
+        self._core_ended = False  # finished or failed: no drain to wait for
+        self.core_finished.connect(self._on_core_finished)
+        self.bridge.core_failed.connect(self._on_core_failed)
         self.logs: LogsWindow | None = None
         self.server = QLocalServer(self)
         self.server.newConnection.connect(self._on_instance_connection)
 
+    def request_quit(self) -> None:
+        """SIGTERM, Ctrl-C, logout, `--quit-after`: as the tray's Quit, which says "Stopping…" at once."""
+        if self.tray is not None and not self.tray.quitting:
+            self.tray.request_quit()  # emits quit_requested → quit
+        else:
+            self.quit()
+
     def quit(self) -> None:
-        """Quit on the first request, dashboard open or not. Qt 6's quit first closes every window
-        and gives up if one refuses; the dashboard refuses a close to hide in the tray, so it must
-        stop doing that first (else Quit and SIGTERM only hid it)."""
+        """Quit on the first request, dashboard open or not. The core drains its requests and stops
+        its engines while the windows stay up to say so ("Stopping… (N requests)"); Qt's loop ends
+        once the core has ended, or after SHUTDOWN_WAIT_S whatever it does."""
+        if self._quitting:
+            return
+        self._quitting = True
+        if self._core_ended:
+            self._end_loop()
+            return
+        self.bridge.request_stop()
+        QTimer.singleShot(int(SHUTDOWN_WAIT_S * 1000), self._end_loop)
+
+    def _on_core_finished(self) -> None:
+        """The core ended as asked, or by itself (it handed over to an update): so does the app."""
+        self._core_ended = True
+        self._end_loop()
+
+    def _on_core_failed(self, _problem: object) -> None:
+        """A failed core leaves the app up to say so, until the person quits (nothing to drain)."""
+        self._core_ended = True
+        if self._quitting:
+            self._end_loop()
+
+    def _end_loop(self) -> None:
+        """Qt 6's quit first closes every window and gives up if one refuses; the dashboard refuses
+        a close to hide in the tray, so it must stop doing that first (else the loop went on)."""
         self.dashboard.hide_on_close = False
         self.qapp.quit()
 
@@ -132,13 +180,45 @@ class DesktopApp(QObject):
         connection.disconnected.connect(connection.deleteLater)
         self.dashboard.bring_forward()
 
+    @property
+    def network(self) -> networks.Network:
+        """The network the node serves: the command line's until the person picks one."""
+        return networks.for_url(self._coordinator or self.settings.coordinator_url)
+
+    def open_first_run(self) -> None:
+        """The first-run flow, window-modal to the dashboard only: the app keeps running under it."""
+        if self.first_run is None:
+            self.first_run = FirstRunFlow(self.settings, self.paths, self.bridge, self._login_item(),
+                                          chosen=networks.for_url(self._coordinator) if self._coordinator else None,
+                                          parent=self.dashboard)
+            self.first_run.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+            self.first_run.saved.connect(self._settings_saved)
+            self.first_run.finished.connect(self._first_run_closed)
+            self.first_run.open()
+        self.first_run.raise_()
+        self.first_run.activateWindow()
+
+    def _first_run_closed(self) -> None:
+        self.first_run = None
+
     def open_settings(self) -> None:
-        dialog = SettingsDialog(
-            self.settings, self.paths, self.bridge, autostart.for_platform(data_dir=self._data_dir),
-            self.bridge.latest.gpus, self.dashboard
-        )
-        dialog.accepted.connect(lambda: setattr(self, "settings", dialog.settings))
+        dialog = SettingsDialog(self.settings, self.paths, self.bridge, self._login_item(), self.dashboard)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.saved.connect(self._settings_saved)
         dialog.open()
+
+    def _settings_saved(self, settings: Settings) -> None:
+        """Settings (or the first-run flow) saved and applied: a network picked now wins over the
+        command line's, and a real network without a token offers sign-in at once."""
+        picked_now = settings.coordinator_url != self.settings.coordinator_url or not self.settings.setup_complete
+        self.settings = settings
+        if picked_now:
+            self._coordinator = None
+            if not self.network.is_local and secrets.get_token() is None:
+                self.open_sign_in()
+
+    def _login_item(self) -> autostart.Autostart:
+        return autostart.for_platform(data_dir=self._data_dir)
 
     def open_logs(self) -> None:
         if self.logs is None:
@@ -148,9 +228,18 @@ class DesktopApp(QObject):
         self.logs.raise_()
 
     def open_sign_in(self) -> None:
-        dialog = SignInDialog(self.bridge.latest, self.dashboard)
-        dialog.accepted.connect(self.bridge.token_changed)
-        dialog.open()
+        """Sign in to the network served now (one dialog at a time, brought forward if open)."""
+        if self.sign_in is None:
+            self.sign_in = SignInDialog(self.bridge, self.network, self.dashboard)
+            self.sign_in.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+            self.sign_in.accepted.connect(self.bridge.token_changed)
+            self.sign_in.finished.connect(self._sign_in_closed)
+            self.sign_in.open()
+        self.sign_in.raise_()
+        self.sign_in.activateWindow()
+
+    def _sign_in_closed(self) -> None:
+        self.sign_in = None
 
 
 def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings, args: argparse.Namespace) -> int:
@@ -161,7 +250,7 @@ def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings
     engines have stopped, so a second launch always finds this one."""
     desktop = DesktopApp(
         qapp, node, paths, settings, tray_available=QSystemTrayIcon.isSystemTrayAvailable(), redact=redact_token,
-        data_dir=getattr(args, "data_dir", None),
+        data_dir=getattr(args, "data_dir", None), coordinator=args.coordinator,
     )
     desktop.listen(instance_name(paths, os.getpid()))
     core = CoreThread(node.run, desktop.bridge.report_core_failure, desktop.core_finished.emit)
@@ -169,14 +258,17 @@ def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings
     try:
         if desktop.tray is None or not args.minimized:
             desktop.dashboard.bring_forward()
-        if secrets.get_token() is None and (args.coordinator or settings.coordinator_url) != "local":
+        if not settings.setup_complete:
+            desktop.open_first_run()
+        elif secrets.get_token() is None and not desktop.network.is_local:
             desktop.open_sign_in()
         if args.quit_after is not None:
-            QTimer.singleShot(int(args.quit_after * 1000), desktop.quit)
-        _quit_on_signals(qapp, desktop.quit)
+            QTimer.singleShot(int(args.quit_after * 1000), desktop.request_quit)
+        _quit_on_signals(qapp, desktop.request_quit)
+        qapp.commitDataRequest.connect(lambda _manager: desktop.request_quit())  # the session is ending (logout)
         return qapp.exec()
     finally:
-        desktop.core_finished.disconnect(desktop.quit)  # the loop has ended: a later quit would outlive it
+        desktop.core_finished.disconnect(desktop._on_core_finished)  # the loop has ended: nothing may outlive it
         desktop.bridge.shutdown()
         core.join(SHUTDOWN_WAIT_S)
         if core.is_alive():
@@ -215,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     existing = QApplication.instance()
     qapp = existing if isinstance(existing, QApplication) else QApplication(["gpu-provider"])
     qapp.setApplicationName("GPU Provider")
+    theme.install(qapp)
     owner = DataFolderLock(paths).owner()
     if owner is not None:
         return defer_to_owner(paths, owner, args.quit_after)

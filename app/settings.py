@@ -1,11 +1,17 @@
-"""The settings dialog. Input is checked by `Settings.with_changes`; a mistake is shown next to
-the Save button and the dialog stays open with everything the person typed."""
+"""The settings dialog, and the fields it shares with the first-run flow (price, GPUs to lend).
+
+Input is checked by `Settings.with_changes`; a mistake is shown next to the Save button and the
+dialog stays open with everything the person typed. Colours come from app/theme.py through object
+names ("error", "muted", ...), so the dialog follows light and dark like every other window.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -23,12 +29,15 @@ from PySide6.QtWidgets import (
 )
 
 from app.bridge import Bridge
-from worker import autostart
+from app.format import CPU_ONLY, FINDING_GPUS, gpu_line
+from app.signin import SignInDialog
+from worker import autostart, networks, secrets
 from worker.config import Paths, Settings, save_settings
-from worker.events import GpuSnapshot
+from worker.events import NodeSnapshot
+from worker.networks import Network
 
-CURRENCIES = ("USD", "EUR", "GBP", "CAD", "AUD", "JPY", "CHF", "SEK", "PLN", "INR", "BRL")
 UPDATE_CHANNELS = ("stable", "beta")
+LEND_ONE = "Lend at least one GPU (to stop serving, pause instead)."
 
 
 def parse_number(text: str, what: str, problems: list[str]) -> float | None:
@@ -39,15 +48,100 @@ def parse_number(text: str, what: str, problems: list[str]) -> float | None:
         return None
 
 
+class PriceField(QWidget):
+    """What a kWh costs, with the network's currency beside it (the price is asked in what it pays)."""
+
+    def __init__(self, price: float, currency: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        row = QHBoxLayout(self)
+        row.setContentsMargins(0, 0, 0, 0)
+        self.price = QLineEdit(f"{price:g}")
+        self.price.setPlaceholderText("e.g. 0.30")
+        self.currency = QLabel()
+        row.addWidget(self.price, 1)
+        row.addWidget(self.currency)
+        self.set_currency(currency)
+
+    def set_currency(self, currency: str) -> None:
+        self.currency.setText(f"{currency} per kWh")
+
+    def value(self, problems: list[str]) -> float | None:
+        """The price, or None with what is wrong added to `problems` in words."""
+        price = parse_number(self.price.text(), "Electricity price", problems)
+        if price is not None and price < 0:
+            problems.append("Electricity price: it cannot be negative (use 0 if electricity is free for you).")
+            return None
+        return price
+
+
+class GpuChoice(QWidget):
+    """Which GPUs to lend, one checkbox each. Detection may still run when this is built: it says
+    "Finding your GPUs…" and fills in once the core knows the machine, keeping what was ticked."""
+
+    def __init__(self, bridge: Bridge, lent: tuple[int, ...] | None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._lent = lent
+        self._shown: tuple[tuple[int, str], ...] | None = None  # the GPUs the boxes are for; None = detecting
+        self.boxes: dict[int, QCheckBox] = {}
+        self._layout = QVBoxLayout(self)
+        self._layout.setContentsMargins(0, 0, 0, 0)
+        self.note = QLabel()
+        self.note.setObjectName("muted")
+        self.note.setWordWrap(True)
+        self._layout.addWidget(self.note)
+        self._show(bridge.latest, force=True)
+        bridge.snapshot_changed.connect(self._show)
+
+    def _show(self, snapshot: NodeSnapshot, force: bool = False) -> None:
+        shown = None if snapshot.detecting else tuple((g.index, g.name) for g in snapshot.gpus)
+        if shown == self._shown and not force:
+            return
+        if self.boxes:
+            self._lent = self.lent()
+        for box in self.boxes.values():
+            self._layout.removeWidget(box)
+            box.deleteLater()
+        self.boxes = {}
+        self._shown = shown
+        self.note.setText(FINDING_GPUS if snapshot.detecting else CPU_ONLY)
+        self.note.setVisible(snapshot.detecting or not snapshot.gpus)
+        if snapshot.detecting:
+            return
+        for gpu in snapshot.gpus:
+            box = QCheckBox(gpu_line(gpu))
+            box.setChecked(self._lent is None or gpu.index in self._lent)
+            self.boxes[gpu.index] = box
+            self._layout.addWidget(box)
+            box.show()  # at once: a layout shows a late child only once the event loop gets to it
+
+    @property
+    def detecting(self) -> bool:
+        return self._shown is None
+
+    def lent(self) -> tuple[int, ...] | None:
+        """The GPUs ticked; None = every GPU (also while detecting, and on a CPU-only machine)."""
+        if not self.boxes:
+            return self._lent
+        ticked = tuple(i for i, box in self.boxes.items() if box.isChecked())
+        return None if len(ticked) == len(self.boxes) else ticked
+
+    def problem(self) -> str | None:
+        if self.boxes and not any(box.isChecked() for box in self.boxes.values()):
+            return LEND_ONE
+        return None
+
+
 class SettingsDialog(QDialog):
+    saved = Signal(object)  # the Settings just saved and applied
+
     def __init__(
         self,
         settings: Settings,
         paths: Paths,
         bridge: Bridge,
         startup: autostart.Autostart,
-        gpus: tuple[GpuSnapshot, ...] = (),
         parent: QWidget | None = None,
+        choices: tuple[Network, ...] | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("GPU Provider settings")
@@ -56,14 +150,16 @@ class SettingsDialog(QDialog):
         self._paths = paths
         self._bridge = bridge
         self._startup = startup
+        self._choices = _with_current(choices or networks.choices(), networks.for_url(settings.coordinator_url))
         layout = QVBoxLayout(self)
+        layout.addWidget(self._network_group(settings))
         layout.addWidget(self._money_group(settings))
-        layout.addWidget(self._serving_group(settings, gpus))
+        layout.addWidget(self._serving_group(settings))
         layout.addWidget(self._models_group(settings))
         layout.addWidget(self._app_group(settings))
         self.error = QLabel()
+        self.error.setObjectName("error")
         self.error.setWordWrap(True)
-        self.error.setStyleSheet("color: #B91C1C;")
         self.error.hide()
         layout.addWidget(self.error)
         buttons = QHBoxLayout()
@@ -71,26 +167,41 @@ class SettingsDialog(QDialog):
         cancel = QPushButton("Cancel")
         cancel.clicked.connect(self.reject)
         self.save_button = QPushButton("Save")
+        self.save_button.setObjectName("primary")
         self.save_button.setDefault(True)
         self.save_button.clicked.connect(self.save)
         buttons.addWidget(cancel)
         buttons.addWidget(self.save_button)
         layout.addLayout(buttons)
+        self._show_network()
 
     # fields -------------------------------------------------------------------------------
 
-    def _money_group(self, s: Settings) -> QGroupBox:
-        group, form = _group("Electricity")
-        self.price = QLineEdit(f"{s.electricity_price_per_kwh:g}")
-        form.addRow("Price per kWh", self.price)
-        self.currency = QComboBox()
-        self.currency.setEditable(True)
-        self.currency.addItems(CURRENCIES)
-        self.currency.setCurrentText(s.currency)
-        form.addRow("Currency", self.currency)
+    def _network_group(self, s: Settings) -> QGroupBox:
+        group, form = _group("Network")
+        self.network = QComboBox()
+        for network in self._choices:
+            self.network.addItem(network.name, network.coordinator_url)
+        self.network.setCurrentIndex(self.network.findData(s.coordinator_url))
+        self.network.currentIndexChanged.connect(self._show_network)
+        form.addRow("Lend to", self.network)
+        account = QHBoxLayout()
+        self.account = QLabel()
+        self.account_button = QPushButton()
+        self.account_button.clicked.connect(self._account_action)
+        account.addWidget(self.account, 1)
+        account.addWidget(self.account_button)
+        form.addRow("Account", account)
         return group
 
-    def _serving_group(self, s: Settings, gpus: tuple[GpuSnapshot, ...]) -> QGroupBox:
+    def _money_group(self, s: Settings) -> QGroupBox:
+        group, form = _group("Electricity")
+        self.price_field = PriceField(s.electricity_price_per_kwh, s.currency)
+        self.price = self.price_field.price
+        form.addRow("Price", self.price_field)
+        return group
+
+    def _serving_group(self, s: Settings) -> QGroupBox:
         group, form = _group("Serving")
         self.auto_pause = QCheckBox("Pause when a game or another app uses the GPU")
         self.auto_pause.setChecked(s.auto_pause_for_games)
@@ -119,12 +230,9 @@ class SettingsDialog(QDialog):
         hours.addWidget(self.hours_to)
         hours.addStretch(1)
         form.addRow(hours)
-        self.gpu_boxes: dict[int, QCheckBox] = {}
-        for gpu in gpus:
-            lend = QCheckBox(f"GPU {gpu.index}: {gpu.name}")
-            lend.setChecked(s.gpus_to_lend is None or gpu.index in s.gpus_to_lend)
-            self.gpu_boxes[gpu.index] = lend
-            form.addRow("Lend" if len(self.gpu_boxes) == 1 else "", lend)
+        self.gpus = GpuChoice(self._bridge, s.gpus_to_lend)
+        form.addRow(QLabel("Lend these GPUs:"))
+        form.addRow(self.gpus)  # the whole width: a GPU's name is never cut off
         return group
 
     def _models_group(self, s: Settings) -> QGroupBox:
@@ -163,27 +271,63 @@ class SettingsDialog(QDialog):
         if folder:
             self.cache_dir.setText(folder)
 
+    # the network and its account ----------------------------------------------------------
+
+    def chosen_network(self) -> Network:
+        return self._choices[self.network.currentIndex()]
+
+    def _show_network(self) -> None:
+        """The account line and the price's currency follow the network picked (not yet saved)."""
+        network = self.chosen_network()
+        self.price_field.set_currency(network.currency)
+        self.account_button.setVisible(not network.is_local)
+        if network.is_local:
+            self.account.setText("No account needed: nothing leaves this computer.")
+        elif secrets.get_token() is None:
+            self.account.setText("Not signed in")
+            self.account_button.setText("Sign in…")
+        else:
+            self.account.setText("Signed in")
+            self.account_button.setText("Sign out")
+
+    def _account_action(self) -> None:
+        if secrets.get_token() is None:
+            self._sign_in()
+        else:
+            self.sign_out()
+
+    def sign_out(self) -> None:
+        """Forget the token (keyring, and this session's copy) and tell the core to disconnect."""
+        secrets.clear_token()
+        os.environ.pop(secrets.ENV_VAR, None)
+        self._bridge.sign_out()
+        self._show_network()
+
+    def _sign_in(self) -> None:
+        dialog = SignInDialog(self._bridge, self.chosen_network(), self)
+        dialog.accepted.connect(self._bridge.token_changed)
+        dialog.finished.connect(self._show_network)
+        dialog.open()
+
     # saving -------------------------------------------------------------------------------
 
     def changes(self) -> tuple[dict[str, Any], list[str]]:
         """The fields as Settings values, and what is wrong with them in words."""
         problems: list[str] = []
-        price = parse_number(self.price.text(), "Electricity price", problems)
+        price = self.price_field.value(problems)
         limit = parse_number(self.cache_limit.text(), "Model folder size", problems)
-        currency = self.currency.currentText().strip().upper()
-        if len(currency) != 3 or not currency.isalpha():
-            problems.append(f"Currency: use a three-letter code such as USD or EUR, not “{currency}”.")
-        lent = tuple(i for i, box in self.gpu_boxes.items() if box.isChecked())
-        if self.gpu_boxes and not lent:
-            problems.append("Lend at least one GPU (to stop serving, pause instead).")
+        if (gpu_problem := self.gpus.problem()) is not None:
+            problems.append(gpu_problem)
         hours = (self.hours_from.value(), self.hours_to.value()) if self.limit_hours.isChecked() else None
+        network = self.chosen_network()
         changes: dict[str, Any] = {
-            "currency": currency,
+            "coordinator_url": network.coordinator_url,
+            "currency": network.currency,
             "auto_pause_for_games": self.auto_pause.isChecked(),
             "auto_resume_after_s": float(self.resume_after_min.value() * 60),
             "autopause_ignored": tuple(n.strip() for n in self.ignored.text().split(",") if n.strip()),
             "serve_hours": hours,
-            "gpus_to_lend": None if len(lent) == len(self.gpu_boxes) else lent,
+            "gpus_to_lend": self.gpus.lent(),
             "model_cache_dir": self.cache_dir.text().strip() or None,
             "allow_remote_code": self.remote_code.isChecked(),
             "start_at_login": self.start_at_login.isChecked(),
@@ -214,11 +358,17 @@ class SettingsDialog(QDialog):
             return
         self._bridge.apply_settings(updated)
         self.settings = updated
+        self.saved.emit(updated)
         self.accept()
 
     def _show_error(self, problems: list[str]) -> None:
         self.error.setText("Nothing was saved yet:\n• " + "\n• ".join(problems))
         self.error.show()
+
+
+def _with_current(choices: tuple[Network, ...], current: Network) -> tuple[Network, ...]:
+    """The networks offered, plus the one in use when it is none of them (a URL given by hand)."""
+    return choices if current in choices else (*choices, current)
 
 
 def _group(title: str) -> tuple[QGroupBox, QFormLayout]:

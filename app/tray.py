@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -10,13 +12,16 @@ from PySide6.QtCore import QObject, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
-from app.bridge import Bridge
-from app.format import status_line, tooltip, tray_state
+from app.bridge import Bridge, seconds_until_tomorrow
+from app.format import money, rate, status_line, tray_state
 from app.icons import state_icon
-from app.notify import Notification, notifications_between
-from worker.events import NodeSnapshot, Problem
+from app.notify import Notification, Notifier, short_sentence
+from worker.events import EngineSnapshot, NodeSnapshot, Problem
 
-TIMED_PAUSES = (("Pause for 15 min", 15 * 60), ("Pause for 1 hour", 60 * 60))
+# (label while serving, label while paused, seconds): while paused they add to the pause
+TIMED_PAUSES = (("Pause for 15 min", "Pause for 15 more min", 15 * 60),
+                ("Pause for 1 hour", "Pause for 1 more hour", 60 * 60))
+UNTIL_TOMORROW = ("Pause until tomorrow", "Keep paused until tomorrow")
 
 _LEVEL_ICONS = {
     "info": QSystemTrayIcon.MessageIcon.Information,
@@ -25,22 +30,76 @@ _LEVEL_ICONS = {
 }
 
 
+def stopping_line(in_flight: int) -> str:
+    """ "Stopping…" while the last requests finish and the engines stop."""
+    if in_flight <= 0:
+        return "Stopping…"
+    return f"Stopping… ({in_flight} request{'s' if in_flight != 1 else ''})"
+
+
+def restarting_engine(snapshot: NodeSnapshot) -> EngineSnapshot | None:
+    """The engine being started again after quick failures, if any (shown as "Restarting (3 of 5)")."""
+    return next((e for e in snapshot.engines if e.state == "starting" and e.failures_in_a_row > 0), None)
+
+
+def tray_status(snapshot: NodeSnapshot, quitting: bool = False) -> str:
+    """The menu's first line: stopping, restarting, or the state with its model, reason or game."""
+    if quitting or snapshot.stopping:
+        return stopping_line(snapshot.in_flight)
+    engine = restarting_engine(snapshot)
+    if engine is not None and not snapshot.paused:
+        return f"Restarting ({engine.failures_in_a_row} of {engine.restart_limit})"
+    if snapshot.connection.state == "signed_out" and tray_state(snapshot) == "idle":
+        return "Signed out"
+    return status_line(snapshot)
+
+
+def figures_line(snapshot: NodeSnapshot) -> str:
+    """Live tok/s while serving, and today's earnings after electricity, in the network's currency."""
+    earned = money(snapshot.earnings.net_today, snapshot.earnings.currency) + " net today"
+    live = snapshot.throughput.live_tokens_per_s
+    if live is None or tray_state(snapshot) not in ("serving", "degraded"):
+        return earned
+    return f"{rate(live)} · {earned}"
+
+
+def tray_tooltip(snapshot: NodeSnapshot, quitting: bool = False) -> str:
+    return f"GPU Provider — {tray_status(snapshot, quitting)}\n{figures_line(snapshot)}"
+
+
+def offers_retry(snapshot: NodeSnapshot) -> bool:
+    problems = (snapshot.problem, snapshot.connection.problem)
+    return tray_state(snapshot) == "failed" or any(p is not None and p.action == "retry" for p in problems)
+
+
+def extended_pause_s(snapshot: NodeSnapshot, seconds: float, now: float) -> float:
+    """A timed pause chosen while paused adds to the time left, so it never shortens the pause."""
+    left = snapshot.pause_until - now if snapshot.paused and snapshot.pause_until is not None else 0.0
+    return max(0.0, left) + seconds
+
+
 class Tray(QObject):
     open_dashboard = Signal()
     open_settings = Signal()
     open_logs = Signal()
     quit_requested = Signal()
+    sign_in_requested = Signal()
+    retry_requested = Signal()
+    update_requested = Signal()
 
-    def __init__(self, bridge: Bridge, parent: QObject | None = None) -> None:
+    def __init__(self, bridge: Bridge, parent: QObject | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__(parent)
         self.bridge = bridge
+        self._clock = clock
         self.menu = QMenu()
         self.menu.aboutToShow.connect(self.rebuild_menu)
         self.icon = QSystemTrayIcon(self)
         self.icon.setContextMenu(self.menu)
         self.icon.activated.connect(self._on_activated)
         self.shown_notifications: list[Notification] = []
-        self._previous: NodeSnapshot | None = None
+        self.quitting = False  # Quit was chosen: "Stopping…" before the core's snapshot says so
+        self._notifier = Notifier()
         self._shown_state: str | None = None  # the state whose icon is up
         bridge.snapshot_changed.connect(self.on_snapshot)
         bridge.core_failed.connect(self.on_core_failed)
@@ -50,21 +109,24 @@ class Tray(QObject):
     def on_snapshot(self, snapshot: NodeSnapshot) -> None:
         """Icon and tooltip only when they change: each update is a round trip to the desktop's
         tray host (D-Bus on Linux), and snapshots arrive every second."""
-        state, text = tray_state(snapshot), tooltip(snapshot)
+        state = tray_state(snapshot)
         if state != self._shown_state:
             self._shown_state = state
             self.icon.setIcon(state_icon(state))
-        if text != self.icon.toolTip():
-            self.icon.setToolTip(text)
-        for note in notifications_between(self._previous, snapshot):
+        self._show_tooltip(tray_tooltip(snapshot, self.quitting))
+        note = self._notifier.update(snapshot)
+        if note is not None and not self.quitting:
             self._notify(note)
-        self._previous = snapshot
 
     def on_core_failed(self, problem: Problem) -> None:
         self._shown_state = "failed"
         self.icon.setIcon(state_icon("failed"))
-        self.icon.setToolTip(f"GPU Provider — {problem.title}")
-        self._notify(Notification(problem.title, problem.message, "critical"))
+        self._show_tooltip(f"GPU Provider — {problem.title}")
+        self._notify(Notification(problem.title, short_sentence(problem.message), "critical"))
+
+    def _show_tooltip(self, text: str) -> None:
+        if text != self.icon.toolTip():
+            self.icon.setToolTip(text)
 
     def _notify(self, note: Notification) -> None:
         self.shown_notifications.append(note)
@@ -73,29 +135,66 @@ class Tray(QObject):
     def rebuild_menu(self) -> None:
         snapshot = self.bridge.latest
         self.menu.clear()
-        status = self.menu.addAction(status_line(snapshot))
-        status.setEnabled(False)
+        for line in (tray_status(snapshot, self.quitting), figures_line(snapshot)):
+            self.menu.addAction(line).setEnabled(False)  # information, not commands
         self.menu.addSeparator()
-        if snapshot.paused:
-            self._add(self.menu, "Resume serving", self.bridge.resume)
-        else:
-            self._add(self.menu, "Pause serving", self.bridge.pause)
-        timed = [
-            self._add(self.menu, label, partial(self.bridge.pause_for, seconds)) for label, seconds in TIMED_PAUSES
-        ]
-        timed.append(self._add(self.menu, "Pause until tomorrow", self.bridge.pause_until_tomorrow))
-        for action in timed:
-            action.setEnabled(not snapshot.paused)  # resume first; a pause never silently shortens another
+        if self.quitting or snapshot.stopping:
+            self._add("Open dashboard", self.open_dashboard.emit)
+            self._add("View logs", self.open_logs.emit)
+            self.menu.addSeparator()
+            self._add("Quit", self.request_quit).setEnabled(False)  # already on its way out
+            return
+        self._add_remedies(snapshot)
+        self._add_pauses(snapshot)
         self.menu.addSeparator()
-        self._add(self.menu, "Open dashboard", self.open_dashboard.emit)
-        self._add(self.menu, "Settings…", self.open_settings.emit)
-        self._add(self.menu, "View logs", self.open_logs.emit)
+        self._add("Open dashboard", self.open_dashboard.emit)
+        self._add("Settings…", self.open_settings.emit)
+        self._add("View logs", self.open_logs.emit)
         self.menu.addSeparator()
-        self._add(self.menu, "Quit", self.quit_requested.emit)
+        self._add("Quit", self.request_quit)
 
-    @staticmethod
-    def _add(menu: QMenu, text: str, slot: Callable[[], object]) -> QAction:
-        action = menu.addAction(text)
+    def _add_remedies(self, snapshot: NodeSnapshot) -> None:
+        """Sign in…, Retry and Restart to update, where each applies."""
+        remedies = [
+            ("Sign in…", self.sign_in_requested.emit, snapshot.connection.state == "signed_out"),
+            ("Retry", self.retry_requested.emit, offers_retry(snapshot)),
+            ("Restart to update", self.update_requested.emit, snapshot.update_ready is not None),
+        ]
+        shown = [self._add(text, slot) for text, slot, applies in remedies if applies]
+        if shown:
+            self.menu.addSeparator()
+
+    def _add_pauses(self, snapshot: NodeSnapshot) -> None:
+        """Pause or Resume, then timed pauses; while paused these extend (or keep) the pause."""
+        paused = snapshot.paused
+        if paused:
+            self._add("Resume serving", self.bridge.resume)
+        else:
+            self._add("Pause serving", self.bridge.pause)
+        for label, longer, seconds in TIMED_PAUSES:
+            self._add(longer if paused else label, partial(self._pause_for, seconds))
+        tomorrow = self._add(UNTIL_TOMORROW[paused], self.bridge.pause_until_tomorrow)
+        tomorrow.setEnabled(not self._paused_past_tomorrow(snapshot))
+
+    def _pause_for(self, seconds: float) -> None:
+        self.bridge.pause_for(extended_pause_s(self.bridge.latest, seconds, self._clock()))
+
+    def _paused_past_tomorrow(self, snapshot: NodeSnapshot) -> bool:
+        """Already paused beyond tomorrow morning: "until tomorrow" would shorten the pause."""
+        if not snapshot.paused or snapshot.pause_until is None:
+            return False
+        now = self._clock()
+        tomorrow = now + seconds_until_tomorrow(dt.datetime.fromtimestamp(now))
+        return snapshot.pause_until >= tomorrow
+
+    def request_quit(self) -> None:
+        """Quit: say "Stopping…" at once (the drain can take a while) and offer Quit no more."""
+        self.quitting = True
+        self._show_tooltip(tray_tooltip(self.bridge.latest, quitting=True))
+        self.quit_requested.emit()
+
+    def _add(self, text: str, slot: Callable[[], object]) -> QAction:
+        action = self.menu.addAction(text)
         action.triggered.connect(lambda _checked=False: slot())
         return action
 

@@ -1,11 +1,13 @@
-"""Render the dashboard and the tray menu in each main state into docs/screenshots/, offscreen,
-and the tray icons into assets/tray/. Run: `.venv/bin/python -m tests.app.make_screenshots`."""
+"""Render the dashboard and the tray menu in each main state, and each page of the first-run
+flow, in light and dark, into docs/screenshots/, offscreen, and the tray icons into assets/tray/.
+Run: `.venv/bin/python -m tests.app.make_screenshots`."""
 
 from __future__ import annotations
 
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -14,13 +16,17 @@ from PySide6.QtCore import QPoint, QRect, Qt
 from PySide6.QtGui import QColor, QFont, QPainter, QPixmap
 from PySide6.QtWidgets import QApplication
 
+from app import theme
 from app.bridge import Bridge
 from app.dashboard import Dashboard
+from app.first_run import GPUS, HABITS, NETWORK, PRICE, SIGN_IN, FirstRunFlow
 from app.format import STATE_COLOURS, tray_state
 from app.icons import state_pixmap
 from app.tray import Tray
 from tests.app import snapshots
 from tests.app.scripted_node import ScriptedNode
+from worker import autostart
+from worker.config import Paths, Settings
 from worker.events import NodeSnapshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,12 +41,16 @@ def history(snapshot: NodeSnapshot, now: float) -> dict[str, list[tuple[float, f
         return {}
     times = [now - 600 + 5 * i for i in range(121)]
     wave = [math.sin(i / 7) + 0.4 * math.sin(i / 2.3) for i in range(121)]
-    return {
-        "tokens_per_s": [(t, 780 + 60 * w) for t, w in zip(times, wave, strict=True)],
-        "gpu_util": [(t, 84 + 6 * w) for t, w in zip(times, wave, strict=True)],
-        "power_w": [(t, 320 + 25 * w) for t, w in zip(times, wave, strict=True)],
-        "kv_usage": [(t, 36 + 9 * w) for t, w in zip(times, wave, strict=True)],
-    }
+
+    def series(base: float, swing: float) -> list[tuple[float, float]]:
+        return [(t, base + swing * w) for t, w in zip(times, wave, strict=True)]
+
+    points = {"tokens_per_s": series(780, 60), "kv_usage": series(36, 9)}
+    for gpu in snapshot.gpus:
+        points[f"gpu{gpu.index}.util_pct"] = series(84 - 3 * gpu.index, 6)
+        points[f"gpu{gpu.index}.power_w"] = series(335 - 35 * gpu.index, 25)
+        points[f"gpu{gpu.index}.temperature_c"] = series(66 + 5 * gpu.index, 2)
+    return points
 
 
 def dashboard_shot(snapshot: NodeSnapshot, target: Path) -> None:
@@ -51,7 +61,8 @@ def dashboard_shot(snapshot: NodeSnapshot, target: Path) -> None:
     window = Dashboard(Bridge(node))
     window.resize(WIDTH, 900)
     window.show()
-    QApplication.processEvents()
+    for _ in range(3):  # wrapped labels settle their heights over a few passes
+        QApplication.processEvents()
     window.content.grab().save(str(target))
     window.charts.timer.stop()
     window.deleteLater()
@@ -80,16 +91,40 @@ def tray_shot(snapshot: NodeSnapshot, target: Path) -> None:
     canvas.save(str(target))
 
 
+FIRST_RUN_PAGES = ((NETWORK, "1-network"), (SIGN_IN, "2-sign-in"), (PRICE, "3-price"), (GPUS, "4-gpus"),
+                   (HABITS, "5-habits"))
+
+
+def first_run_shots(suffix: str) -> None:
+    """Each page of the first-run flow on a new install with two GPUs, as the person meets it."""
+    folder = Path(tempfile.mkdtemp(prefix="gpu-provider-shot-"))
+    bridge = Bridge(ScriptedNode(snapshots.idle()))
+    for page_id, name in FIRST_RUN_PAGES:
+        flow = FirstRunFlow(Settings(), Paths.under(folder), bridge, autostart.for_platform(data_dir=str(folder)))
+        flow.setStartId(page_id)
+        flow.restart()
+        flow.resize(620, 480)
+        flow.show()
+        for _ in range(3):
+            QApplication.processEvents()
+        flow.grab().save(str(SCREENSHOTS / f"first-run-{name}{suffix}.png"))
+        flow.deleteLater()
+
+
 def main() -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
-    app.setStyle("Fusion")
+    assert isinstance(app, QApplication)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     ICONS.mkdir(parents=True, exist_ok=True)
-    for name, make in snapshots.MAIN_STATES.items():
-        dashboard_shot(make(), SCREENSHOTS / f"dashboard-{name}.png")
-        tray_shot(make(), SCREENSHOTS / f"tray-{name}.png")
+    for scheme in ("light", "dark"):
+        theme.install(app, scheme)
+        suffix = "" if scheme == "light" else "-dark"
+        for name, make in snapshots.MAIN_STATES.items():
+            dashboard_shot(make(), SCREENSHOTS / f"dashboard-{name}{suffix}.png")
+            tray_shot(make(), SCREENSHOTS / f"tray-{name}{suffix}.png")
+        first_run_shots(suffix)
     for state in STATE_COLOURS:
-        state_pixmap(state, 64).save(str(ICONS / f"{state}.png"))  # type: ignore[arg-type]
+        state_pixmap(state, 64).save(str(ICONS / f"{state}.png"))
     print(f"wrote screenshots to {SCREENSHOTS} and icons to {ICONS}")
     return 0
 

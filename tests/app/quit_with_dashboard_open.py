@@ -1,6 +1,7 @@
 """Run by tests/app/test_quit.py in its own process: the desktop app with a tray (reported as
-available) and the dashboard open, then a quit request of the kind named in argv[1]. Prints
-`quit-returned` once Qt's loop has ended; a quit that only hides the window never prints it."""
+available) and the dashboard open, on a new install (so the first-run flow is open over it too),
+then a quit request of the kind named in argv[1]. Prints `quit-returned` once Qt's loop has
+ended; a quit that only hides the window, or waits for the flow, never prints it."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def main() -> None:
 
     def request() -> None:
         assert created and created[0].dashboard.isVisible(), "the dashboard should be open"
+        flow = created[0].first_run
+        assert flow is not None and flow.isVisible(), "a new install should show the first-run flow"
         if how == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
         else:

@@ -1,14 +1,16 @@
 """The dashboard of a REAL node, not scripted snapshots: local coordinator, llama-server on the
 CPU, the tiny demo model, a few relayed requests; then a screenshot.
 
-    QT_QPA_PLATFORM=offscreen .venv/bin/python -m tests.app.real_node_screenshot
+    QT_QPA_PLATFORM=offscreen .venv/bin/python -m tests.app.real_node_screenshot [light|dark]
 
-Writes docs/screenshots/real-node-cpu.png. Needs the llama-server that tests/support builds.
+Writes docs/screenshots/real-node-cpu.png (or real-node-cpu-dark.png). Needs the llama-server
+that tests/support builds.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -18,6 +20,7 @@ import httpx
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 
+from app import theme
 from app.core_thread import CoreThread
 from app.main import DesktopApp
 from tests.support.engines import ensure_llama_server, free_port
@@ -25,19 +28,23 @@ from tests.support.tiny_gguf import write_tiny_gguf
 from worker.config import Paths, Settings
 from worker.node import Node
 
-OUT = Path(__file__).resolve().parents[2] / "docs" / "screenshots" / "real-node-cpu.png"
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 
 
 def main() -> None:
+    dark = sys.argv[1:] == ["dark"]
+    out = SCREENSHOTS / ("real-node-cpu-dark.png" if dark else "real-node-cpu.png")
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     folder = Path(tempfile.mkdtemp(prefix="gpu-provider-shot-"))
     model = write_tiny_gguf(folder / "tiny-demo.gguf")
     paths = Paths.under(folder / "data").ensure()
     port = free_port()
     qapp = QApplication(["gpu-provider"])
-    node = Node(paths, Settings(), coordinator_url="local", model=str(model), openai_port=port,
+    theme.install(qapp, "dark" if dark else "light")
+    settings = Settings(setup_complete=True, electricity_price_per_kwh=0.30)
+    node = Node(paths, settings, coordinator_url="local", model=str(model), openai_port=port,
                 engine_bins={"llamacpp": str(ensure_llama_server().executable)})
-    desktop = DesktopApp(qapp, node, paths, Settings(), tray_available=False, redact=lambda text: text)
+    desktop = DesktopApp(qapp, node, paths, settings, tray_available=False, redact=lambda text: text)
     core = CoreThread(node.run, desktop.bridge.report_core_failure)
     core.start()
     desktop.dashboard.resize(1100, 1250)
@@ -45,8 +52,8 @@ def main() -> None:
     threading.Thread(target=_load, args=(node, port), daemon=True).start()
 
     def grab() -> None:
-        desktop.dashboard.grab().save(str(OUT))
-        print(f"{OUT}: state {node.snapshot().state}, {node.snapshot().throughput}")
+        desktop.dashboard.grab().save(str(out))
+        print(f"{out}: state {node.snapshot().state}, {node.snapshot().throughput}")
         node.shutdown()
         qapp.quit()
 

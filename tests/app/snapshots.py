@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import replace
 
 from worker.events import (
     ConnectionSnapshot,
     ContextNumbers,
+    DayEarnings,
     DownloadProgress,
     EarningsSnapshot,
     EngineSnapshot,
     GpuSnapshot,
+    MeasuredCapacity,
     NodeSnapshot,
     Problem,
     ThroughputSnapshot,
@@ -46,6 +49,18 @@ ENGINE = EngineSnapshot(
     requests_waiting=0,
 )
 
+
+
+def _days() -> tuple[DayEarnings, ...]:
+    """30 local days ending on NOW's: nothing for 18 days, then twelve days of serving."""
+    today = dt.date.fromtimestamp(NOW)
+    days = []
+    for back in range(29, -1, -1):
+        gross = 0.0 if back >= 12 else round(2.2 + 0.9 * ((back * 7) % 5) / 4, 2)
+        days.append(DayEarnings((today - dt.timedelta(days=back)).isoformat(), gross, round(gross * 0.22, 2)))
+    return tuple(days)
+
+
 EARNINGS = EarningsSnapshot(
     currency="USD",
     today=2.84,
@@ -55,7 +70,11 @@ EARNINGS = EarningsSnapshot(
     energy_cost_week=3.92,
     energy_cost_all_time=22.05,
     energy_kwh_today=2.03,
+    days=_days(),
+    net_per_hour=0.19,
+    electricity_price_per_kwh=0.30,
 )
+CAPACITY = MeasuredCapacity(912.0, MODEL, NOW - 600)
 
 CONNECTED = ConnectionSnapshot("wss://coordinator.example.net/v1/node", "connected")
 
@@ -101,8 +120,11 @@ def serving() -> NodeSnapshot:
         gpus=GPUS,
         engines=(ENGINE,),
         in_flight=3,
+        last_capacity=CAPACITY,
         throughput=ThroughputSnapshot(
             tokens_per_s=812.4,
+            live_tokens_per_s=846.0,
+            capacity_tokens_per_s=912.0,
             per_request_tokens_per_s=71.2,
             ttft_p50_s=0.21,
             run_tokens=1_204_330,
@@ -114,7 +136,7 @@ def serving() -> NodeSnapshot:
 
 
 def paused_for_game() -> NodeSnapshot:
-    return replace(idle(), state="paused", paused=True, pause_reason="game", model=MODEL)
+    return replace(idle(), state="paused", paused=True, pause_reason="game", model=MODEL, last_capacity=CAPACITY)
 
 
 def paused_until(until: float) -> NodeSnapshot:
@@ -143,10 +165,74 @@ def signed_out() -> NodeSnapshot:
     return replace(idle(), connection=ConnectionSnapshot(CONNECTED.coordinator_url, "signed_out", problem))
 
 
+TRACEBACK = (
+    "Traceback (most recent call last):",
+    '  File "vllm/entrypoints/openai/api_server.py", line 1121, in run_server',
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+)
+
+
+def restarting() -> NodeSnapshot:
+    """The engine failed three quick starts in a row and waits a minute before the fourth."""
+    engine = replace(
+        ENGINE,
+        state="starting",
+        phase="launching",
+        restarts=3,
+        failures_in_a_row=3,
+        restart_limit=5,
+        retry_at=NOW + 60,
+        last_error="\n".join(TRACEBACK),
+        pid=None,
+        kv_usage_pct=None,
+        requests_running=None,
+    )
+    return replace(idle(), state="starting", model=MODEL, assignment_id="as-91", engines=(engine,))
+
+
+def failed_with_retry() -> NodeSnapshot:
+    """Offline while fetching the engine: a plain cause, Retry, the log under Details, a retry time."""
+    problem = Problem(
+        "Can't download the engine",
+        "This computer seems to be offline. Check your internet connection; GPU Provider also tries again by itself.",
+        "retry",
+        details=("GET https://github.com/ggml-org/llama.cpp/releases: [Errno -3] Temporary failure in name resolution",
+                 *TRACEBACK),
+        retry_at=NOW + 120,
+    )
+    engine = replace(
+        ENGINE, state="failed", restarts=4, failures_in_a_row=5, last_error="\n".join(TRACEBACK), pid=None,
+        kv_usage_pct=None, requests_running=None,
+    )
+    return replace(idle(), state="failed", model=MODEL, engines=(engine,), problem=problem)
+
+
+def update_ready() -> NodeSnapshot:
+    return replace(serving(), update_ready="0.4.0")
+
+
+def cpu_serving() -> NodeSnapshot:
+    """A computer without a GPU serving a small model on its CPU."""
+    engine = replace(ENGINE, engine="llamacpp", gpu_indices=(), layout="single", memory_mib=2_048,
+                     max_concurrency=2.0, context=ContextNumbers(requested=8_192, declared=8_192, physical=16_384))
+    return replace(serving(), runtime="cpu", gpus=(), groups=(), effective_vram_mib=0, engines=(engine,))
+
+
+def detecting() -> NodeSnapshot:
+    return replace(idle(), gpus=(), groups=(), effective_vram_mib=0, detecting=True)
+
+
+def new_user() -> NodeSnapshot:
+    """Nothing earned yet and no electricity price set."""
+    return replace(idle(), earnings=EarningsSnapshot(days=tuple(replace(d, gross=0.0, energy_cost=0.0)
+                                                                 for d in EARNINGS.days)))
+
+
 MAIN_STATES = {
     "idle": idle,
     "starting": starting,
     "serving": serving,
     "paused": paused_for_game,
-    "failed": failed,
+    "failed": failed_with_retry,
+    "update": update_ready,
 }

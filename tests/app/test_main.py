@@ -6,12 +6,16 @@ import time
 import uuid
 
 import pytest
+from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 
+from app.first_run import FirstRunFlow
 from app.main import DesktopApp, ask_running_instance_to_show, instance_name, main, parse_args, run_app
 from tests.app import snapshots
 from tests.app.scripted_node import ScriptedNode
+from app.signin import SignInDialog
 from tests.worker.test_datalock import holder
+from worker import networks
 from worker.config import Paths, Settings
 from worker.datalock import DataFolderLock
 
@@ -109,10 +113,96 @@ def test_a_core_that_dies_does_not_take_the_window_down(qapp, tmp_path, memory_k
 def test_signing_in_tells_the_node_to_connect_now(qtbot, tmp_path, node, memory_keyring):
     app = desktop(qtbot, node, tmp_path, tray=False)
     app.open_sign_in()
-    dialog = next(w for w in QApplication.topLevelWidgets() if w.windowTitle() == "Welcome to GPU Provider" and w.isVisible())
+    dialog = app.sign_in
+    assert dialog is not None and dialog.isVisible()
+    app.open_sign_in()
+    assert app.sign_in is dialog  # one at a time
     dialog.token.setText("gp_live_0123456789abcdef")
     dialog.sign_in.click()
     qtbot.waitUntil(lambda: ("token_changed", None) in node.commands, timeout=2000)
+    assert app.sign_in is None
+
+
+def test_the_dashboard_asks_for_retry_and_update(qtbot, tmp_path, node):
+    app = desktop(qtbot, node, tmp_path, tray=False)
+    app.dashboard.retry_requested.emit()
+    app.dashboard.update_requested.emit()
+    assert node.commands == [("retry", None), ("install_update_now", None)]
+    app.dashboard.sign_in_requested.emit()
+    assert app.sign_in is not None and app.sign_in.isVisible()
+    app.sign_in.reject()
+
+
+def test_the_tray_asks_for_sign_in_retry_and_update(qtbot, tmp_path, node, memory_keyring):
+    app = desktop(qtbot, node, tmp_path, tray=True)
+    try:
+        app.tray.retry_requested.emit()
+        app.tray.update_requested.emit()
+        assert node.commands == [("retry", None), ("install_update_now", None)]
+        app.tray.sign_in_requested.emit()
+        assert app.sign_in is not None and app.sign_in.isVisible()
+        app.sign_in.reject()
+    finally:
+        app.tray.icon.hide()
+        QApplication.instance().setQuitOnLastWindowClosed(True)
+
+
+def windows_while_running(qapp, node, tmp_path, settings: Settings, *argv: str) -> list[str]:
+    """The dialogs `run_app` opens on start (their classes), seen from inside its event loop."""
+    seen: list[str] = []
+
+    def look() -> None:
+        seen.extend(type(w).__name__ for w in QApplication.topLevelWidgets()
+                    if w.isVisible() and isinstance(w, (FirstRunFlow, SignInDialog)))
+
+    QTimer.singleShot(200, look)
+    args = parse_args(["--data-dir", str(tmp_path), "--quit-after", "0.5", "--minimized", *argv])
+    assert run_app(qapp, node, Paths.under(tmp_path).ensure(), settings, args) == 0  # the flow blocks nothing
+    assert ("shutdown", None) in node.commands
+    return seen
+
+
+def test_a_new_install_opens_the_first_run_flow(qapp, tmp_path, memory_keyring):
+    node = ScriptedNode(snapshots.detecting())
+    assert windows_while_running(qapp, node, tmp_path, Settings()) == ["FirstRunFlow"]
+    assert not Paths.under(tmp_path).settings_file.exists()  # quitting mid-flow saved nothing
+
+
+def test_a_set_up_app_opens_no_flow(qapp, tmp_path, memory_keyring):
+    node = ScriptedNode(snapshots.idle())
+    assert windows_while_running(qapp, node, tmp_path, Settings(setup_complete=True)) == []
+
+
+def test_a_set_up_app_signed_out_of_a_real_network_offers_sign_in(qapp, tmp_path, memory_keyring):
+    node = ScriptedNode(snapshots.signed_out())
+    real = networks.official().coordinator_url
+    seen = windows_while_running(qapp, node, tmp_path, Settings(coordinator_url=real, setup_complete=True))
+    assert seen == ["SignInDialog"]
+
+
+def test_finishing_the_flow_on_a_real_network_without_a_token_offers_sign_in(qtbot, tmp_path, node,
+                                                                            memory_keyring):
+    app = desktop(qtbot, node, tmp_path, tray=False)
+    app.open_first_run()
+    flow = app.first_run
+    assert flow is not None and flow.isVisible() and flow.network() == networks.official()
+    app._settings_saved(Settings(coordinator_url=networks.official().coordinator_url, setup_complete=True))
+    assert app.settings.setup_complete and app.sign_in is not None
+    flow.reject()
+    app.sign_in.reject()
+
+
+def test_a_network_picked_in_settings_wins_over_the_command_line(qtbot, tmp_path, node, memory_keyring):
+    app = DesktopApp(QApplication.instance(), node, Paths.under(tmp_path), Settings(setup_complete=True),
+                     tray_available=False, redact=lambda text: text, coordinator="wss://dev.example.org/v1/node")
+    qtbot.addWidget(app.dashboard)
+    assert app.network.coordinator_url == "wss://dev.example.org/v1/node"
+    app._settings_saved(Settings(setup_complete=True, electricity_price_per_kwh=0.2))
+    assert app.network.coordinator_url == "wss://dev.example.org/v1/node"  # the network was not changed
+    real = networks.official()
+    app._settings_saved(Settings(setup_complete=True, coordinator_url=real.coordinator_url))
+    assert app.network == real and app.sign_in is not None  # picked now, and no token yet
+    app.sign_in.reject()
 
 
 class NoSecondCore:
@@ -201,3 +291,38 @@ def test_the_window_socket_stays_until_the_core_has_stopped(qapp, tmp_path, memo
     assert run_app(qapp, node, paths, Settings(), args) == 0
     assert node.answered_while_draining is True
     assert not ask_running_instance_to_show(node.name, timeout_ms=100)  # closed once the core stopped
+
+
+def test_quit_keeps_the_app_up_saying_stopping_until_the_core_has_drained(qtbot, tmp_path, node, monkeypatch):
+    """The first Quit asks the core to drain; the tray says how many requests are left, and the
+    loop ends when the core has ended (not before: the person would see nothing while it drains)."""
+    import dataclasses
+
+    app = desktop(qtbot, node, tmp_path, tray=True)
+    ended: list[bool] = []
+    monkeypatch.setattr(app.qapp, "quit", lambda: ended.append(True))
+    app.dashboard.show()
+    app.request_quit()  # as SIGTERM does
+    assert ("shutdown", None) in node.commands and not ended
+    node.emit(dataclasses.replace(snapshots.serving(), stopping=True, in_flight=3))
+    qtbot.waitUntil(lambda: app.bridge.latest.stopping)
+    app.tray.menu.aboutToShow.emit()
+    assert app.tray.menu.actions()[0].text() == "Stopping… (3 requests)"
+    app.quit()  # a second request changes nothing
+    assert node.commands.count(("shutdown", None)) == 1 and not ended
+    app.core_finished.emit()
+    qtbot.waitUntil(lambda: bool(ended))
+    assert app.dashboard.hide_on_close is False  # the loop's closing of windows is not refused
+
+
+def test_a_quit_after_the_core_failed_ends_at_once(qtbot, tmp_path, node, monkeypatch):
+    from worker.events import Problem
+
+    app = desktop(qtbot, node, tmp_path, tray=True)
+    ended: list[bool] = []
+    monkeypatch.setattr(app.qapp, "quit", lambda: ended.append(True))
+    app.bridge.core_failed.emit(Problem("GPU Provider stopped serving", "…"))
+    qtbot.wait(50)
+    assert not ended  # the app stays up to say so
+    app.quit()
+    assert ended

@@ -2,10 +2,23 @@ from __future__ import annotations
 
 import pytest
 
+import os
+
+from PySide6.QtWidgets import QWidget
+
+from app.bridge import Bridge
 from app.settings import SettingsDialog
+from app.format import FINDING_GPUS
+from app.signin import SignInDialog
 from tests.app import snapshots
+from tests.app.scripted_node import ScriptedNode
+from worker import networks, secrets
 from worker.autostart import XdgAutostart
 from worker.config import Paths, Settings, load_settings
+from worker.networks import Network
+
+REAL = Network("Test Network", "wss://coordinator.example.net/v1/node", "https://example.net/account/tokens", "EUR")
+TOKEN = "gpt_live_3f9c2a7b1e5d4c8a"
 
 
 @pytest.fixture
@@ -19,7 +32,7 @@ def login_item(tmp_path) -> XdgAutostart:
 
 
 def dialog_for(qtbot, paths, bridge, login_item, settings: Settings | None = None) -> SettingsDialog:
-    dialog = SettingsDialog(settings or Settings(), paths, bridge, login_item, snapshots.GPUS)
+    dialog = SettingsDialog(settings or Settings(), paths, bridge, login_item, choices=(REAL, networks.LOCAL))
     qtbot.addWidget(dialog)
     return dialog
 
@@ -27,13 +40,12 @@ def dialog_for(qtbot, paths, bridge, login_item, settings: Settings | None = Non
 def test_round_trip_saves_applies_and_reloads(qtbot, paths, bridge, node, login_item):
     dialog = dialog_for(qtbot, paths, bridge, login_item)
     dialog.price.setText("0,31")
-    dialog.currency.setCurrentText("eur")
     dialog.auto_pause.setChecked(False)
     dialog.resume_after_min.setValue(5)
     dialog.limit_hours.setChecked(True)
     dialog.hours_from.setValue(22)
     dialog.hours_to.setValue(7)
-    dialog.gpu_boxes[1].setChecked(False)
+    dialog.gpus.boxes[1].setChecked(False)
     dialog.cache_limit.setText("120")
     dialog.start_at_login.setChecked(True)
     dialog.channel.setCurrentText("beta")
@@ -42,7 +54,7 @@ def test_round_trip_saves_applies_and_reloads(qtbot, paths, bridge, node, login_
 
     saved = load_settings(paths)
     assert saved.electricity_price_per_kwh == 0.31
-    assert saved.currency == "EUR"
+    assert saved.currency == "USD" and saved.coordinator_url == "local"  # the network's currency
     assert saved.auto_pause_for_games is False
     assert saved.auto_resume_after_s == 300
     assert saved.serve_hours == (22, 7)
@@ -56,7 +68,7 @@ def test_round_trip_saves_applies_and_reloads(qtbot, paths, bridge, node, login_
     assert dialog.result() == SettingsDialog.DialogCode.Accepted
 
     again = dialog_for(qtbot, paths, bridge, login_item, saved)
-    assert again.price.text() == "0.31" and again.hours_from.value() == 22 and not again.gpu_boxes[1].isChecked()
+    assert again.price.text() == "0.31" and again.hours_from.value() == 22 and not again.gpus.boxes[1].isChecked()
     assert again.ignored.text() == "obs64.exe, blender"
 
 
@@ -64,13 +76,13 @@ def test_bad_input_is_explained_and_nothing_is_lost(qtbot, paths, bridge, node, 
     dialog = dialog_for(qtbot, paths, bridge, login_item)
     dialog.show()
     dialog.price.setText("twelve")
-    dialog.currency.setCurrentText("euros")
-    for box in dialog.gpu_boxes.values():
+    for box in dialog.gpus.boxes.values():
         box.setChecked(False)
     dialog.save_button.click()
     message = dialog.error.text()
     assert "Electricity price: “twelve” is not a number." in message
-    assert "three-letter code" in message and "Lend at least one GPU" in message
+    assert "Lend at least one GPU" in message
+    assert dialog.error.isVisible() and dialog.error.objectName() == "error"
     assert dialog.isVisible() and dialog.price.text() == "twelve"
     assert not paths.settings_file.exists() and node.commands == []
 
@@ -89,3 +101,79 @@ def test_a_removed_login_item_stays_removed_when_other_settings_change(qtbot, pa
     dialog.price.setText("0.2")
     dialog.save_button.click()
     assert load_settings(paths).start_at_login and not login_item.is_enabled()
+
+
+def test_a_negative_price_is_refused(qtbot, paths, bridge, node, login_item):
+    dialog = dialog_for(qtbot, paths, bridge, login_item)
+    dialog.price.setText("-0.1")
+    dialog.save_button.click()
+    assert "cannot be negative" in dialog.error.text()
+    assert not paths.settings_file.exists() and node.commands == []
+
+
+def test_switching_network_saves_it_with_its_currency(qtbot, paths, bridge, node, login_item, memory_keyring):
+    dialog = dialog_for(qtbot, paths, bridge, login_item)
+    dialog.show()
+    assert dialog.chosen_network() == networks.LOCAL and not dialog.account_button.isVisible()
+    assert dialog.price_field.currency.text() == "USD per kWh"
+    dialog.network.setCurrentIndex(0)
+    assert dialog.chosen_network() == REAL
+    assert dialog.price_field.currency.text() == "EUR per kWh"
+    assert (dialog.account.text(), dialog.account_button.text()) == ("Not signed in", "Sign in…")
+    assert dialog.account_button.isVisible()
+    dialog.save_button.click()
+    saved = load_settings(paths)
+    assert (saved.coordinator_url, saved.currency) == (REAL.coordinator_url, "EUR")
+    assert node.commands == [("apply_settings", saved)]  # the core reconnects to the network applied
+    assert dialog.settings == saved
+
+
+def test_sign_out_forgets_the_token_and_tells_the_core(qtbot, paths, bridge, node, login_item, memory_keyring):
+    secrets.set_token(TOKEN)
+    dialog = dialog_for(qtbot, paths, bridge, login_item, Settings(coordinator_url=REAL.coordinator_url))
+    assert (dialog.account.text(), dialog.account_button.text()) == ("Signed in", "Sign out")
+    dialog.account_button.click()
+    assert memory_keyring.passwords == {} and secrets.get_token() is None
+    assert node.commands == [("sign_out", None)]
+    assert (dialog.account.text(), dialog.account_button.text()) == ("Not signed in", "Sign in…")
+    assert not paths.settings_file.exists()  # an action, not a setting: nothing to save
+
+
+def test_sign_out_also_ends_a_session_only_token(qtbot, paths, bridge, node, login_item, memory_keyring,
+                                                 monkeypatch):
+    monkeypatch.setenv("GPU_PROVIDER_TOKEN", TOKEN)
+    dialog = dialog_for(qtbot, paths, bridge, login_item, Settings(coordinator_url=REAL.coordinator_url))
+    dialog.sign_out()
+    assert "GPU_PROVIDER_TOKEN" not in os.environ and secrets.get_token() is None
+
+
+def test_sign_in_from_settings(qtbot, paths, bridge, node, login_item, memory_keyring):
+    dialog = dialog_for(qtbot, paths, bridge, login_item, Settings(coordinator_url=REAL.coordinator_url))
+    dialog.show()
+    dialog.account_button.click()
+    sign_in = dialog.findChild(SignInDialog)
+    assert sign_in is not None and sign_in.isVisible()
+    sign_in.token.setText(TOKEN)
+    sign_in.sign_in.click()
+    assert node.commands == [("token_changed", None)]
+    assert (dialog.account.text(), dialog.account_button.text()) == ("Signed in", "Sign out")
+
+
+def test_the_gpus_appear_when_detection_finishes(qtbot, paths, login_item):
+    node = ScriptedNode(snapshots.detecting())
+    bridge = Bridge(node)
+    dialog = dialog_for(qtbot, paths, bridge, login_item, Settings(gpus_to_lend=(1,)))
+    dialog.show()
+    assert dialog.gpus.note.text() == FINDING_GPUS and dialog.gpus.boxes == {}
+    node.emit(snapshots.idle())
+    boxes = dialog.gpus.boxes
+    assert not boxes[0].isChecked() and boxes[1].isChecked()
+    qtbot.waitUntil(lambda: all(box.isVisible() for box in boxes.values()), timeout=2000)
+    qtbot.waitUntil(lambda: all(box.width() >= box.sizeHint().width() for box in boxes.values()), timeout=2000)
+
+
+def test_no_colours_are_hard_coded(qtbot, paths, bridge, login_item):
+    dialog = dialog_for(qtbot, paths, bridge, login_item)
+    dialog.price.setText("x")
+    dialog.save_button.click()
+    assert [w for w in [dialog, *dialog.findChildren(QWidget)] if w.styleSheet()] == []
