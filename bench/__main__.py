@@ -1,6 +1,6 @@
 """Run the benchmarks, print one table of figures beside their targets, and save it as JSON.
 
-`python -m bench [--quick] [--only relay,detect,node] [--batch] [--profile]`
+`python -m bench [--quick] [--only relay,detect,node,gui] [--batch] [--profile]`
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from bench import detect_plan, node, relay
+from bench import detect_plan, gui_idle, node, relay
 from bench.report import RESULTS, Figure, table, write_json
 
-SECTIONS = ("relay", "detect", "node")
+SECTIONS = ("relay", "detect", "node", "gui")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -24,6 +24,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="run the relay's node side under cProfile (stats in bench/results/relay-*.prof)")
     parser.add_argument("--levels", default="1,32,128,256", help="relay concurrency levels")
+    parser.add_argument("--pace", type=float, default=50.0, metavar="TOK_PER_S",
+                        help="latency runs: each stream's decode rate (26: the field notes' H200 per request)")
     parser.add_argument("--batch", action="store_true",
                         help="the coordinator offers `batch`: the node packs messages into shared frames")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
@@ -45,10 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     if "node" in only:
         found, details["node"] = asyncio.run(node.measure(args.quick))
         figures += found
+    if "gui" in only:
+        found, details["gui"] = asyncio.run(gui_idle.measure(args.quick))
+        figures += found
     profiles: list[Path] = []
     if "relay" in only:
         profile = RESULTS.parent / "relay.prof" if args.profile else None
-        changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile, "batch": args.batch}
+        changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile, "batch": args.batch,
+                   "paced_delay_s": 1.0 / args.pace}
         settings = relay.RelaySettings.quick(**changes) if args.quick else relay.RelaySettings(**changes)
         found, details["relay"] = asyncio.run(relay.measure(settings))
         figures += found

@@ -43,6 +43,7 @@ from worker.loopback_http import LoopbackClient
 
 SECTION = "relay"
 TARGET_TOKENS_PER_S = 33_000
+TARGET_CAPACITY = 150_000  # tokens per node CPU-second: an 8-GPU node's 26,000 tok/s with room to spare
 TARGET_SHARE_OF_DIRECT = 0.95
 TARGET_ADDED_P99_MS = 2.0
 RAMP_SETTLE_S = 0.2
@@ -315,7 +316,7 @@ def figures(settings: RelaySettings, throughput: list[Run], latency: list[Run]) 
         out.append(at_least(section, f"relay / direct @{c}", ratio, "", TARGET_SHARE_OF_DIRECT))
         out.append(info(section, f"node tok per CPU-s @{c}", capacity, "tok/s",
                         "what one core relays when it is the limit"))
-    out.append(at_least(section, "node capacity, one core (best)", best_capacity, "tok/s", TARGET_TOKENS_PER_S,
+    out.append(at_least(section, "node capacity, one core (best)", best_capacity, "tok/s", TARGET_CAPACITY,
                         "tokens ÷ node CPU-seconds"))
     for c in settings.levels:
         direct, relayed = _pair(latency, c)

@@ -11,9 +11,10 @@ connection, for a frame over it. websockets closes with 1009 on a message over i
 so its limit is set to 4 × 16 MiB and the parser refuses what lies between with `bad_message`;
 only a frame over 64 MiB (no honest coordinator sends one) costs the connection.
 
-Batching: where this connection's `welcome` lists `batch`, the messages sent in one loop iteration
-go out as one `batch` frame, flushed as soon as nothing else is ready (and at 256 messages, 1 MiB
-or 1 ms): at a busy node's token rate, one frame per token event is the relay's limit.
+Batching: where this connection's `welcome` lists `batch`, the first message sent in a loop
+iteration goes out at once, and those that follow it in that iteration as one `batch` frame, flushed
+as soon as nothing else is ready (and at 256 messages, 1 MiB or 1 ms): at a busy node's token rate,
+one frame per token event is the relay's limit, while a lone message must not wait for a batch.
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ class Link:
         self._running = False  # a `run()` loop is in progress
         self._wake = asyncio.Event()
         self._snapshot = events.ConnectionSnapshot(url, "connecting")
+        self._unwritten: set[_Batch] = set()  # closed, their frame not yet written
         self.welcome: protocol.Welcome | None = None
 
     @property
@@ -266,41 +268,54 @@ class Link:
             return False
         if self._batching:
             return await self._send_batched(ws, protocol.encode(message))
-        try:
-            await ws.send(protocol.encode(message))
-        except ConnectionClosed:
-            return False
-        return True
+        return await self._send_now(ws, protocol.encode(message))
 
     async def _send_batched(self, ws: ClientConnection, frame: str) -> bool:
-        """Joins this iteration's batch (the first send of an iteration opens it and schedules its
-        flush for when nothing else is ready). Shielded: a sender cancelled while it waits must not
-        cancel the answer its batch-mates wait for."""
+        """The first message of a loop iteration goes out at once, as it would unbatched (a lone
+        message costs nothing more); those that follow it in the same iteration join one batch,
+        flushed when nothing else is ready. Batched sends are shielded: a sender cancelled while it
+        waits must not cancel the answer its batch-mates wait for."""
         loop = asyncio.get_running_loop()
         batch = self._batch
         if batch is None or batch.ws is not ws:
             batch = self._batch = _Batch(ws, loop.time())
             loop.call_soon(self._flush, batch)
+            if not self._unwritten:  # nothing queued ahead of it: no need to wait its turn
+                return await self._send_now(ws, frame)
         batch.add(frame)
         if batch.full(loop.time()):
             self._flush(batch)
         return await asyncio.shield(batch.sent)
 
+    @staticmethod
+    async def _send_now(ws: ClientConnection, frame: str) -> bool:
+        try:
+            await ws.send(frame)
+        except ConnectionClosed:
+            return False
+        return True
+
     def _flush(self, batch: _Batch) -> None:
-        """Closes `batch` to new messages and sends it; batches start sending in the order they were
-        closed, and websockets writes a frame before its first await, so order is kept."""
+        """Closes `batch` to new messages and sends what it holds. Batches start writing in the
+        order they were closed (websockets writes a frame before its first await), and no message
+        is sent at once while one is still unwritten, so order is kept."""
         if batch.closed:  # a full batch, flushed before its scheduled flush came
             return
         batch.closed = True
         if self._batch is batch:
             self._batch = None
+        if not batch.frames:  # its iteration's one message went out at once
+            return
+        self._unwritten.add(batch)
         task = asyncio.get_running_loop().create_task(self._send_batch(batch))
         self._flushes.add(task)
         task.add_done_callback(self._flushes.discard)
+        task.add_done_callback(lambda _task: self._unwritten.discard(batch))  # also if cancelled unstarted
 
     async def _send_batch(self, batch: _Batch) -> None:
         frames = batch.frames
         frame = frames[0] if len(frames) == 1 else protocol.encode_batch(frames)
+        self._unwritten.discard(batch)  # written in the send below, before it first waits
         try:
             await batch.ws.send(frame)
         except ConnectionClosed:

@@ -364,8 +364,8 @@ def _chunks(count: int, request_id: str = "r-1") -> list[protocol.ResponseChunk]
     return [protocol.ResponseChunk(id=request_id, data=f"data: {n}\n\n") for n in range(count)]
 
 
-async def test_messages_sent_in_one_iteration_arrive_as_one_batch_frame_in_order(coordinator, running,
-                                                                                   monkeypatch) -> None:
+async def test_the_first_message_of_an_iteration_goes_at_once_and_the_rest_as_one_batch_in_order(
+        coordinator, running, monkeypatch) -> None:
     monkeypatch.setattr("worker.link.BATCH_MAX_WAIT_S", 60.0)  # a loaded test machine must not split it
     link = await _connected(coordinator, running)
     assert link.welcome is not None and link.welcome.features == ["batch"]
@@ -374,7 +374,7 @@ async def test_messages_sent_in_one_iteration_arrive_as_one_batch_frame_in_order
     assert await asyncio.gather(*(link.send(m) for m in messages)) == [True] * 6
     await coordinator.wait_for("response.end", after=after)
     assert coordinator.received[after:] == messages
-    assert coordinator.frame_sizes == [6]
+    assert coordinator.frame_sizes == [1, 5]
 
 
 async def test_a_full_batch_is_flushed_and_the_rest_follows_in_order(coordinator, running, monkeypatch) -> None:
@@ -385,23 +385,24 @@ async def test_a_full_batch_is_flushed_and_the_rest_follows_in_order(coordinator
     assert all(await asyncio.gather(*(link.send(m) for m in messages)))
     await coordinator.wait_for(lambda m: m == messages[-1], after=after)
     assert coordinator.received[after:] == messages
-    assert coordinator.frame_sizes == [256, 44]
+    assert coordinator.frame_sizes == [1, 256, 43]  # none goes at once while a full batch is unwritten
 
 
 async def test_a_batch_older_than_1_ms_takes_no_more_messages(coordinator, running) -> None:
     link = await _connected(coordinator, running)
     after = len(coordinator.received)
-    messages = _chunks(3)
+    messages = _chunks(4)
 
     async def hold_the_loop() -> bool:
         time.sleep(0.002)  # the rest of this loop iteration runs 2 ms later
         return True
 
-    sends = [link.send(messages[0]), hold_the_loop(), link.send(messages[1]), link.send(messages[2])]
-    assert await asyncio.gather(*sends) == [True] * 4
+    sends = [link.send(messages[0]), link.send(messages[1]), hold_the_loop(), link.send(messages[2]),
+             link.send(messages[3])]
+    assert await asyncio.gather(*sends) == [True] * 5
     await coordinator.wait_for(lambda m: m == messages[-1], after=after)
     assert coordinator.received[after:] == messages
-    assert coordinator.frame_sizes == [2, 1]  # the message that found the batch too old closed it
+    assert coordinator.frame_sizes == [1, 2, 1]  # at once; the message that found the batch too old closed it
 
 
 async def test_a_lone_message_goes_out_at_once_without_waiting_for_a_timer(coordinator, running) -> None:
@@ -422,8 +423,8 @@ async def test_a_lone_message_goes_out_at_once_without_waiting_for_a_timer(coord
     elapsed, iterations = loop.time() - started, ticks
     counting.cancel()
     await coordinator.wait_for("response.end")
-    # flush callback, the sending task's first step, websockets' drain, the answer, the caller's wake-up
-    assert iterations <= 5, f"the send took {iterations} loop iterations ({elapsed * 1e3:.2f} ms)"
+    # as unbatched: written to the socket within the caller's own step, no task and no flush to wait for
+    assert iterations == 0, f"the send took {iterations} loop iterations ({elapsed * 1e3:.2f} ms)"
     assert coordinator.frame_sizes == [1]
 
 
@@ -455,15 +456,17 @@ async def test_a_batch_whose_socket_dies_before_its_flush_answers_false(coordina
     sends = [asyncio.create_task(link.send(m)) for m in _chunks(3)]
     assert link._ws is not None
     link._ws.transport.abort()  # lost before the batch's frame is written
-    assert await asyncio.gather(*sends) == [False] * 3
+    results = await asyncio.gather(*sends)
+    # the first went out at once, as unbatched, before the loss was seen; its batch-mates learn of it
+    assert results[1:] == [False, False]
 
 
 async def test_a_sender_cancelled_while_its_batch_waits_does_not_lose_its_batch_mates(coordinator, running) -> None:
     link = await _connected(coordinator, running)
     after = len(coordinator.received)
-    first, second = (asyncio.create_task(link.send(m)) for m in _chunks(2))
-    await asyncio.sleep(0)  # both joined the batch
+    lone, first, second = (asyncio.create_task(link.send(m)) for m in _chunks(3))
+    await asyncio.sleep(0)  # the first went out at once, the other two joined a batch
     first.cancel()
-    assert await second
-    await coordinator.wait_for(lambda m: m == _chunks(2)[1], after=after)
-    assert coordinator.received[after:] == _chunks(2)
+    assert await lone and await second
+    await coordinator.wait_for(lambda m: m == _chunks(3)[2], after=after)
+    assert coordinator.received[after:] == _chunks(3)

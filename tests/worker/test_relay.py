@@ -3,6 +3,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -405,6 +407,42 @@ def test_stream_filter_strips_only_the_usage_only_chunk_it_asked_for() -> None:
     keeping = StreamFilter(events=True, strip_usage=False)
     assert keeping.feed(stream) + keeping.finish() == stream.decode()
     assert keeping.usage == stripping.usage
+
+
+def _whole_block_reference(block: bytes, strip_usage: bool) -> tuple[bytes, protocol.Usage | None]:
+    """The filter's rule applied to every event of `block` (what it did before it split only the
+    tail that holds "usage"): drop usage-only events it asked for, keep the last usage seen."""
+    parts = re.split(rb"(\r?\n\r?\n)", block)
+    kept, usage = [], None
+    for event, separator in zip(parts[0::2], parts[1::2] + [b""]):
+        payload = b"\n".join(line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:"))
+        try:
+            document = json.loads(payload) if b'"usage"' in event else None
+        except ValueError:
+            document = None
+        if isinstance(document, dict) and isinstance(document.get("usage"), dict):
+            usage = protocol.Usage.model_validate(document["usage"])
+            if strip_usage and document.get("choices") == []:
+                continue
+        kept.append(event + separator)
+    return b"".join(kept), usage
+
+
+def test_stream_filter_cuts_events_as_a_whole_block_split_would_whatever_the_line_breaks() -> None:
+    separators = [b"\n\n", b"\r\n\r\n", b"\n\r\n", b"\r\n\n", b"\n\n\n", b"\r\r\n\n", b"\n\r\n\r\n", b"\r\n"]
+    events = [b'data: {"choices": [{"delta": {"content": "h\xc3\xa9"}}]}',
+              b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}',
+              b'data: {"choices": [{"delta": {}}], "usage": {"prompt_tokens": 5, "completion_tokens": 6}}',
+              b"data: [DONE]", b": keep-alive", b"\r", b""]
+    rng = random.Random(16)
+    for _ in range(3000):
+        block = b"".join(rng.choice(events) + rng.choice(separators) for _ in range(rng.randint(1, 8)))
+        block += b"data: [DONE]\n\n"  # a whole block: one read, no event held back
+        strip = rng.random() < 0.5
+        filter_ = StreamFilter(events=True, strip_usage=strip)
+        relayed = filter_.feed(block) + filter_.finish()
+        expected, usage = _whole_block_reference(block, strip)
+        assert (relayed, filter_.usage) == (expected.decode(), usage), block
 
 
 def test_stream_filter_relays_a_boundless_stream_without_splitting_characters() -> None:
