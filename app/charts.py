@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import pyqtgraph as pg
 from PySide6.QtCore import QTimer
-from PySide6.QtGui import QHideEvent, QShowEvent
+from PySide6.QtGui import QFontMetrics, QHideEvent, QShowEvent
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from app import theme
@@ -209,6 +209,14 @@ class EarningsChart(pg.PlotWidget):
         top = max([d.net for d in days] + [0.0])
         bottom = min([d.net for d in days] + [0.0])
         self.setYRange(bottom, top if top > bottom else bottom + 0.01, padding=0.08)
+        self._fit_axis(top, bottom, currency)
+
+    def _fit_axis(self, top: float, bottom: float, currency: str) -> None:
+        """Room for the widest label now: pyqtgraph widens an axis only on a later paint, so the
+        first picture (and a screenshot) would show it without its figures."""
+        metrics = QFontMetrics(self.money_axis.style.get("tickFont") or self.font())
+        widest = max(metrics.horizontalAdvance(money(v, currency)) for v in (top * 1.1, bottom * 1.1, 0.0))
+        self.money_axis.setWidth(widest + 12)
 
 
 def _day_ticks(days: Sequence[DayEarnings]) -> list[tuple[int, str]]:

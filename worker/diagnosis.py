@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import re
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -146,12 +145,12 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 def offline_problem(problem: Problem, retry_at: float) -> Problem:
-    """A download or install the network cut short, tried again by itself at `retry_at`: the
-    address and the error go to `details`, the message says when."""
+    """A download or install the network cut short, tried again by itself at `retry_at` (which
+    the app shows beside the message, as it does for restarts): the address and the error go to
+    `details`."""
     return Problem(
         "Waiting for the network",
-        f"{problem.title}. Check the internet connection; the app tries again at {clock_time(retry_at)}, "
-        "or press Retry.",
+        f"{problem.title}. Check the internet connection; the app tries again by itself, or press Retry.",
         "retry",
         (*problem.details, problem.message),
         retry_at,
@@ -162,8 +161,3 @@ def provision_problem(problem: Problem) -> Problem:
     """A provisioning failure trying again will not cure by itself: shown as it is, Retry offered
     where it had no other action (after the person fixed the cause)."""
     return replace(problem, action="retry") if problem.action == "none" else problem
-
-
-def clock_time(at: float) -> str:
-    """Wall-clock seconds as the local time a person reads ("14:32")."""
-    return time.strftime("%H:%M", time.localtime(at))

@@ -29,6 +29,7 @@ from worker.config import Paths, Settings
 from worker.node import Node
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+GRAB_AFTER_S = 50.0
 
 
 def main() -> None:
@@ -57,18 +58,19 @@ def main() -> None:
         node.shutdown()
         qapp.quit()
 
-    QTimer.singleShot(25_000, grab)
+    QTimer.singleShot(int(GRAB_AFTER_S * 1000), grab)
     qapp.exec()
     core.join(60)  # before interpreter exit, which would shut the core's thread pool under it
 
 
 def _load(node: Node, port: int) -> None:
-    """Wait for ready, then a few streamed chat completions through the local endpoint."""
-    deadline = time.monotonic() + 20
-    while node.snapshot().state != "ready" and time.monotonic() < deadline:
+    """Wait for ready, then streamed chat completions through the local endpoint until the
+    picture is taken: long enough for a measured capacity (a full 30-s window) and a live rate."""
+    started = time.monotonic()
+    while node.snapshot().state != "ready" and time.monotonic() - started < 20:
         time.sleep(0.5)
     body = {"model": "local", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True}
-    for _ in range(8):
+    while time.monotonic() - started < GRAB_AFTER_S:
         httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
         time.sleep(0.3)
 

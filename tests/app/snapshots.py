@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import replace
 
+from worker.diagnosis import engine_problem, offline_problem
 from worker.events import (
     ConnectionSnapshot,
     ContextNumbers,
@@ -18,6 +19,7 @@ from worker.events import (
     Problem,
     ThroughputSnapshot,
 )
+from worker.restart_policy import Ended
 
 NOW = 1_800_000_000.0
 MODEL = "Qwen/Qwen3-8B"
@@ -191,20 +193,23 @@ def restarting() -> NodeSnapshot:
 
 
 def failed_with_retry() -> NodeSnapshot:
-    """Offline while fetching the engine: a plain cause, Retry, the log under Details, a retry time."""
-    problem = Problem(
-        "Can't download the engine",
-        "This computer seems to be offline. Check your internet connection; GPU Provider also tries again by itself.",
-        "retry",
-        details=("GET https://github.com/ggml-org/llama.cpp/releases: [Errno -3] Temporary failure in name resolution",
-                 *TRACEBACK),
-        retry_at=NOW + 120,
-    )
+    """A crash loop that gave up (out of GPU memory), worded by the core's own diagnosis: a plain
+    cause, Retry, the engine's log under Details."""
+    ended = Ended("oom", "\n".join(TRACEBACK), uptime_s=4.0, was_ready=False, lines=TRACEBACK)
+    problem = engine_problem("vllm", ended, gave_up=True)
     engine = replace(
         ENGINE, state="failed", restarts=4, failures_in_a_row=5, last_error="\n".join(TRACEBACK), pid=None,
         kv_usage_pct=None, requests_running=None,
     )
     return replace(idle(), state="failed", model=MODEL, engines=(engine,), problem=problem)
+
+
+def offline() -> NodeSnapshot:
+    """Offline while fetching the engine: the core tries again by itself and says when."""
+    cause = Problem("Can't download the engine", "GET https://github.com/ggml-org/llama.cpp/releases: "
+                    "[Errno -3] Temporary failure in name resolution")
+    problem = offline_problem(cause, NOW + 120)
+    return replace(idle(), state="configured", model=MODEL, problem=problem)
 
 
 def update_ready() -> NodeSnapshot:
@@ -234,5 +239,6 @@ MAIN_STATES = {
     "serving": serving,
     "paused": paused_for_game,
     "failed": failed_with_retry,
+    "offline": offline,
     "update": update_ready,
 }

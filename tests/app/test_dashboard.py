@@ -121,19 +121,32 @@ def test_failed_shows_one_banner_with_retry_and_folded_details(dashboard, node, 
     d, banner = dashboard, dashboard.banner
     assert banner.isVisibleTo(d)
     assert d.text("state") == "Failed"
-    assert d.text("problem_title") == "Can't download the engine"
-    assert d.text("problem_message").startswith("This computer seems to be offline.")
-    assert d.text("problem_retry_at") == f"Trying again at {clock_time(snapshot.problem.retry_at)}"
+    assert d.text("problem_title") == "Not enough GPU memory for this model"
+    assert d.text("problem_message").endswith("then Retry.") and "--" not in d.text("problem_message")
+    assert not d.values.labels["problem_retry_at"].isVisibleTo(d)  # it gave up: only Retry starts it again
     assert banner.action_button.text() == "Retry" and banner.action_button.isVisibleTo(d)
     assert d.text("engine:engine-0.health") == ""  # no restart count beside a failure
     assert not d.values.labels["engine:engine-0.health"].isVisibleTo(d)
     assert not banner.details.isVisibleTo(d)
-    assert "Traceback" not in on_screen(d) and "Errno" not in on_screen(d)
+    assert "Traceback" not in on_screen(d) and "OutOfMemoryError" not in on_screen(d)
     banner.details_toggle.click()
     assert banner.details.isVisibleTo(d)
     assert "Traceback (most recent call last):" in banner.details.toPlainText()
     with qtbot.waitSignal(d.retry_requested, timeout=500):
         banner.action_button.click()
+
+
+def test_offline_says_when_it_tries_again_and_keeps_the_address_in_details(dashboard, node, bridge, qtbot):
+    snapshot = snapshots.offline()
+    show(node, qtbot, bridge, snapshot)
+    d, banner = dashboard, dashboard.banner
+    assert d.text("state") != "Failed"  # it tries again by itself
+    assert d.text("problem_title") == "Waiting for the network"
+    assert d.text("problem_retry_at") == f"Trying again at {clock_time(snapshot.problem.retry_at)}"
+    assert "https://" not in on_screen(d) and "Errno" not in on_screen(d)
+    assert banner.action_button.text() == "Retry"
+    banner.details_toggle.click()
+    assert "Temporary failure in name resolution" in banner.details.toPlainText()
 
 
 def test_an_action_other_than_retry_gets_its_own_button(dashboard, node, bridge, qtbot):

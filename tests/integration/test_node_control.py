@@ -31,7 +31,6 @@ from tests.integration.test_node import (
 )
 from worker import download, node as node_module, protocol
 from worker.config import Paths, Settings
-from worker.diagnosis import clock_time
 from worker.events import Problem
 from worker.link import Backoff
 from worker.localnet import ReferenceCoordinator
@@ -147,7 +146,7 @@ async def test_a_download_the_network_cut_short_is_tried_again_by_itself_saying_
         assert all(s.state != "failed" for s in run.snapshots if s.problem is not None)  # it tries again
         first = waiting[0]
         assert first.retry_at is not None and abs(first.retry_at - (calls[0] + 0.4)) < 1.0
-        assert f"tries again at {clock_time(first.retry_at)}" in first.message and first.action == "retry"
+        assert "tries again by itself" in first.message and first.action == "retry"
         assert "https://" not in first.message and "Errno" not in first.message
         assert any("https://huggingface.co" in line for line in first.details)
         assert run.node.snapshot().problem is None
