@@ -14,15 +14,17 @@ until it exits (or serves on after a rollback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt, QTimer, Signal
+from PySide6.QtCore import QObject, QSocketNotifier, Qt, QTimer, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
 from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
 
@@ -264,9 +266,12 @@ def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings
             desktop.open_sign_in()
         if args.quit_after is not None:
             QTimer.singleShot(int(args.quit_after * 1000), desktop.request_quit)
-        _quit_on_signals(qapp, desktop.request_quit)
+        wake = SignalWake(qapp, desktop.request_quit)
         qapp.commitDataRequest.connect(lambda _manager: desktop.request_quit())  # the session is ending (logout)
-        return qapp.exec()
+        try:
+            return qapp.exec()
+        finally:
+            wake.close()
     finally:
         desktop.core_finished.disconnect(desktop._on_core_finished)  # the loop has ended: nothing may outlive it
         desktop.bridge.shutdown()
@@ -276,13 +281,31 @@ def run_app(qapp: QApplication, node: NodeLike, paths: Paths, settings: Settings
         desktop.server.close()
 
 
-def _quit_on_signals(qapp: QApplication, quit_app: Callable[[], None]) -> None:
-    """Ctrl+C / SIGTERM quit cleanly; a short timer lets Python see signals during Qt's loop."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: quit_app())
-    ticker = QTimer(qapp)
-    ticker.timeout.connect(lambda: None)
-    ticker.start(250)
+class SignalWake:
+    """Ctrl-C and SIGTERM quit cleanly, without a polling timer: Python runs a signal's handler
+    only once the interpreter has control, which Qt's loop would withhold until some event; the
+    signal module also writes a byte to a socket Qt watches, and reading it is that event."""
+
+    def __init__(self, qapp: QApplication, quit_app: Callable[[], None]) -> None:
+        self._reader, self._writer = socket.socketpair()
+        for end in (self._reader, self._writer):
+            end.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno())
+        self._notifier = QSocketNotifier(self._reader.fileno(), QSocketNotifier.Type.Read, qapp)
+        self._notifier.activated.connect(self._drain)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: quit_app())
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._reader.recv(64):
+                pass
+
+    def close(self) -> None:
+        self._notifier.setEnabled(False)
+        signal.set_wakeup_fd(self._previous_fd)
+        self._reader.close()
+        self._writer.close()
 
 
 def defer_to_owner(paths: Paths, owner: Owner, quit_after: float | None = None) -> int:

@@ -1,6 +1,6 @@
 """Run the benchmarks, print one table of figures beside their targets, and save it as JSON.
 
-`python -m bench [--quick] [--only relay,detect,node,gui] [--batch] [--profile]`
+`python -m bench [--quick] [--only relay,detect,node,gui] [--batch] [--profile] [--no-scenarios]`
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--levels", default="1,32,128,256", help="relay concurrency levels")
     parser.add_argument("--pace", type=float, default=50.0, metavar="TOK_PER_S",
                         help="latency runs: each stream's decode rate (26: the field notes' H200 per request)")
+    parser.add_argument("--no-scenarios", action="store_true",
+                        help="skip the field loads (the H200's 128 streams, an 8-GPU node's 1,024) in the relay section")
     parser.add_argument("--batch", action="store_true",
                         help="the coordinator offers `batch`: the node packs messages into shared frames")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if "relay" in only:
         profile = RESULTS.parent / "relay.prof" if args.profile else None
         changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile, "batch": args.batch,
-                   "paced_delay_s": 1.0 / args.pace}
+                   "paced_delay_s": 1.0 / args.pace, **({"scenarios": ()} if args.no_scenarios else {})}
         settings = relay.RelaySettings.quick(**changes) if args.quick else relay.RelaySettings(**changes)
         found, details["relay"] = asyncio.run(relay.measure(settings))
         figures += found

@@ -18,14 +18,8 @@ painting costs land partly there.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +28,7 @@ import psutil
 
 from bench.node import TOKEN, _assignment, _environment, _prepare
 from bench.report import Figure, at_most, not_measured
+from tests.support.desktop import Desktop, missing_packages, real_desktop
 from tests.support.engines import VLLM_STANDIN
 from tests.support.processes import terminate
 from worker import config, protocol
@@ -46,8 +41,8 @@ KINDS = tuple(TARGET_CPU_PCT)
 SETTLE_S = 5.0  # after ready: start-up work (first charts, first status) is not idle
 START_TIMEOUT_S = 90.0
 DASHBOARD_TITLE = "GPU Provider"
+DASHBOARD_MIN = (400, 300)  # a notification balloon is a window of the same name, but small
 ROOT = Path(__file__).resolve().parents[1]
-_X_TOOLS = ("Xvfb", "openbox", "trayer", "xdotool", "xwininfo")
 
 
 @dataclass(frozen=True)
@@ -59,73 +54,8 @@ class Reading:
     window_s: float
 
 
-@dataclass(frozen=True)
-class Desktop:
-    """A running X server with a window manager and a tray."""
-
-    display: str
-    server: subprocess.Popen[bytes]
-
-    def env(self) -> dict[str, str]:
-        return {"DISPLAY": self.display}
-
-
-def missing_tools() -> list[str]:
-    return [tool for tool in _X_TOOLS if shutil.which(tool) is None]
-
-
-def _free_display() -> int:
-    number = 50 + os.getpid() % 200
-    while Path(f"/tmp/.X11-unix/X{number}").exists() or Path(f"/tmp/.X{number}-lock").exists():
-        number += 1
-    return number
-
-
-def _wait(check: Any, what: str, timeout: float = 15.0) -> None:
-    give_up = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > give_up:
-            raise TimeoutError(f"{what} did not come up within {timeout:g} s")
-        time.sleep(0.05)
-
-
-def _x_output(display: str, *argv: str) -> str:
-    done = subprocess.run(argv, env=dict(os.environ, DISPLAY=display), capture_output=True, text=True, timeout=10)
-    return done.stdout
-
-
-def _quiet(argv: list[str], display: str | None = None) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, DISPLAY=display) if display else None
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-@contextmanager
-def desktop() -> Iterator[Desktop]:
-    """Xvfb + openbox + trayer on a free display; the tray is up (its window exists) on entry."""
-    number = _free_display()
-    display = f":{number}"
-    server = _quiet(["Xvfb", display, "-screen", "0", "1440x900x24", "-nolisten", "tcp"])
-    helpers: list[subprocess.Popen[bytes]] = []
-    try:
-        _wait(lambda: Path(f"/tmp/.X11-unix/X{number}").exists(), "Xvfb")
-        helpers.append(_quiet(["openbox"], display))
-        helpers.append(_quiet(["trayer", "--edge", "bottom", "--align", "right", "--widthtype", "pixel",
-                               "--width", "200", "--height", "24"], display))
-        _wait(lambda: '"trayer"' in _x_output(display, "xwininfo", "-root", "-tree"), "the tray (trayer)")
-        yield Desktop(display, server)
-    finally:
-        for process in [*reversed(helpers), server]:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def dashboard_shown(display: str) -> bool:
-    found = _x_output(display, "xdotool", "search", "--onlyvisible", "--name", f"^{DASHBOARD_TITLE}$")
-    return bool(found.strip())
+def dashboard_shown(desktop: Desktop) -> bool:
+    return desktop.shown(DASHBOARD_TITLE, "NORMAL", DASHBOARD_MIN) is not None
 
 
 def _argv(kind: str, coordinator_url: str, folder: Path, hardware: Path) -> list[str]:
@@ -148,8 +78,7 @@ async def _one(kind: str, the_desktop: Desktop, window_s: float) -> Reading:
         model_dir, hardware = _prepare(folder)
         async with ReferenceCoordinator(token=TOKEN, assign=_assignment(model_dir), ping_interval=None) as coordinator:
             _set_up(folder, coordinator.url)
-            env = _environment(the_desktop.env())
-            env.pop("QT_QPA_PLATFORM", None)  # the real X11 platform, never offscreen
+            env = the_desktop.env(_environment({}))  # the real X11 platform, never offscreen
             process = await asyncio.create_subprocess_exec(
                 *_argv(kind, coordinator.url, folder, hardware), cwd=ROOT, env=env,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
@@ -163,8 +92,8 @@ async def _one(kind: str, the_desktop: Desktop, window_s: float) -> Reading:
 
 
 async def _window(pid: int, the_desktop: Desktop, window_s: float) -> Reading:
-    app, server = psutil.Process(pid), psutil.Process(the_desktop.server.pid)
-    shown = await asyncio.to_thread(dashboard_shown, the_desktop.display)
+    app, server = psutil.Process(pid), psutil.Process(the_desktop.processes[0].pid)  # the X server first
+    shown = await asyncio.to_thread(dashboard_shown, the_desktop)
     app_before, server_before = sum(app.cpu_times()[:2]), sum(server.cpu_times()[:2])
     await asyncio.sleep(window_s)
     app_cpu = sum(app.cpu_times()[:2]) - app_before
@@ -174,8 +103,8 @@ async def _window(pid: int, the_desktop: Desktop, window_s: float) -> Reading:
 
 
 def _why_not() -> str | None:
-    if missing := missing_tools():
-        return f"needs {', '.join(missing)} (apt: xvfb openbox trayer xdotool x11-utils)"
+    if missing := missing_packages():
+        return f"needs the Debian packages {' '.join(missing)}"
     try:
         import PySide6  # noqa: F401
     except ImportError:
@@ -191,7 +120,7 @@ async def measure(quick: bool) -> tuple[list[Figure], dict[str, Any]]:
         return [not_measured(SECTION, f"{kind}: idle CPU", why_not, f"≤ {TARGET_CPU_PCT[kind]} %")
                 for kind in KINDS], details
     readings: dict[str, Reading | str] = {}
-    with desktop() as the_desktop:
+    with tempfile.TemporaryDirectory(prefix="bench-x11-") as x11, real_desktop(Path(x11)) as the_desktop:
         for kind in KINDS:
             try:
                 readings[kind] = await _one(kind, the_desktop, window_s)

@@ -53,6 +53,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
+class Scenario:
+    """A load from the field notes, paced as real decodes, through the relay and direct side by side."""
+
+    name: str
+    streams: int
+    tok_per_s: float  # each stream's decode rate
+    max_added_p99_ms: float
+
+
+SCENARIOS = (
+    Scenario("H200 load", 128, 26.0, 2.0),  # the field notes' busiest node: 3,342 tok/s over 128 requests
+    Scenario("8-GPU load", 1024, 26.0, 10.0),  # eight such replicas behind one app
+)
+TARGET_SCENARIO_SHARE = 0.99
+
+
+@dataclass(frozen=True)
 class RelaySettings:
     levels: tuple[int, ...] = (1, 32, 128, 256)
     tokens: int = 256  # per stream, throughput runs
@@ -62,10 +79,13 @@ class RelaySettings:
     ramp_s: float = 1.0  # latency runs: stream starts spread over this, as requests arrive in service
     profile: Path | None = None
     batch: bool = False  # the coordinator's welcome lists "batch" (`--batch`); off: one frame per message
+    scenarios: tuple[Scenario, ...] = SCENARIOS
+    scenario_s: float = 10.0  # how long each stream of a scenario decodes
+    scenario_ramp_s: float = 2.0
 
     @classmethod
     def quick(cls, **changes: Any) -> RelaySettings:
-        return cls(budget=40_000, paced_tokens=100, **changes)
+        return cls(budget=40_000, paced_tokens=100, scenario_s=4.0, **changes)
 
 
 @dataclass
@@ -271,15 +291,48 @@ async def _measure(settings: RelaySettings) -> tuple[list[Figure], dict[str, Any
     async with rig(tokens=settings.paced_tokens, token_delay_s=settings.paced_delay_s, profile=None,
                    batch=settings.batch) as paced:
         latency = await _levels(paced, settings, settings.paced_tokens, None)
+    loads = [(scenario, await _scenario(scenario, settings)) for scenario in settings.scenarios]
     details: dict[str, Any] = {
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()} | {
+            "scenarios": [scenario.__dict__ for scenario in settings.scenarios]},
         "cpus": dict(zip(("node", "others"), cpu_split())),
         "throughput": [_run_json(r) for r in throughput],
         "latency": [_run_json(r) for r in latency],
+        "scenarios": {scenario.name: [_run_json(r) for r in runs] for scenario, runs in loads},
     }
     if settings.profile:
         details["profile_top"] = profile_summary(settings.profile)
-    return figures(settings, throughput, latency), details
+    return figures(settings, throughput, latency) + scenario_figures(loads), details
+
+
+async def _scenario(scenario: Scenario, settings: RelaySettings) -> list[Run]:
+    """Direct, then through the relay: every stream decoding at the scenario's pace."""
+    tokens = max(1, round(scenario.tok_per_s * settings.scenario_s))
+    async with rig(tokens=tokens, token_delay_s=1.0 / scenario.tok_per_s, profile=None, batch=settings.batch) as paced:
+        await load(paced, "relay", 8, tokens, 1)  # warm both paths' connections
+        await load(paced, "direct", 8, tokens, 1)
+        return [await load(paced, mode, scenario.streams, tokens, 1, settings.scenario_ramp_s)
+                for mode in ("direct", "relay")]
+
+
+def scenario_figures(loads: list[tuple[Scenario, list[Run]]]) -> list[Figure]:
+    out: list[Figure] = []
+    for scenario, runs in loads:
+        direct, relayed = _pair(runs, scenario.streams)
+        ratio = relayed.tokens_per_s / direct.tokens_per_s if direct.tokens_per_s else 0.0
+        added_p99 = relayed.percentile_ms(0.99) - direct.percentile_ms(0.99)
+        load_words = f"{scenario.streams:,} streams × {scenario.tok_per_s:g} tok/s"
+        errors = f"; {relayed.errors + direct.errors} errors" if relayed.errors + direct.errors else ""
+        out.append(info(SECTION, f"{scenario.name}: direct tok/s", direct.tokens_per_s, "tok/s", load_words))
+        out.append(info(SECTION, f"{scenario.name}: relay tok/s", relayed.tokens_per_s, "tok/s",
+                        f"node CPU {_busy(relayed.node_cpu_s, relayed)}, waited for a CPU "
+                        f"{_busy(relayed.node_waited_s, relayed)} of the time{errors}"))
+        out.append(at_least(SECTION, f"{scenario.name}: relay / direct", ratio, "", TARGET_SCENARIO_SHARE))
+        out.append(at_most(SECTION, f"{scenario.name}: added p99", added_p99, "ms", scenario.max_added_p99_ms,
+                           f"direct p99 {direct.percentile_ms(0.99):.2f} ms, relay p99 "
+                           f"{relayed.percentile_ms(0.99):.2f} ms; engine CPU {_busy(relayed.engine_cpu_s, relayed)}, "
+                           f"load generator + coordinator {_busy(relayed.loadgen_cpu_s, relayed)}"))
+    return out
 
 
 def _run_json(run: Run) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 import sqlite3
@@ -431,7 +432,11 @@ class Books:
         second, and must never wait on SQLite (or on a credit being written)."""
         with self._charts_lock:
             points = self._charts.get(series)
-            return [point for point in points if point[0] >= since] if points else []
+            if not points:
+                return []
+            newest_first = list(itertools.takewhile(lambda point: point[0] >= since, reversed(points)))
+        newest_first.reverse()  # from the newest end: asking for the last seconds costs a few points, not the hour
+        return newest_first
 
     def use(self, use: Callable[[Ledger], T]) -> T | None:
         """`use(ledger)` while the ledger is open; None (and nothing done) once it is closed."""

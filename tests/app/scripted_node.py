@@ -64,7 +64,7 @@ class ScriptedNode:
 
     def history(self, series: str, since: float) -> list[tuple[float, float]]:
         self.history_calls.append((series, since))
-        return self.history_points.get(series, [])
+        return [point for point in self.history_points.get(series, []) if point[0] >= since]  # as the core's
 
     def log_files(self) -> dict[str, Path]:
         return dict(self._log_files)

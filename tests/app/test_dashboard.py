@@ -12,7 +12,7 @@ import pytest
 from PySide6.QtGui import QColor, QFont, QImage
 from PySide6.QtWidgets import QLabel, QPushButton, QWidget
 
-from app import theme
+from app import charts, theme
 from app.dashboard import Dashboard
 from app.format import clock_time
 from tests.app import snapshots
@@ -325,6 +325,29 @@ def test_charts_redraw_only_what_changed(dashboard, node, qtbot, monkeypatch):
     node.history_points["tokens_per_s"].append((now - 1, 810.0))
     dashboard.charts.refresh()
     assert drawn == ["tokens_per_s"]
+
+
+def test_a_flat_idle_line_is_redrawn_only_to_slide(dashboard, node, qtbot, monkeypatch):
+    """An idle node records 0 tok/s every second: a new point of the same value is no reason to
+    repaint; the line moves every `IDLE_REDRAW_S`, and the refresh asks only for the last seconds."""
+    clock = [time.time()]
+    dashboard.charts._clock = lambda: clock[0]
+    node.history_points["tokens_per_s"] = [(clock[0] - 1, 0.0)]
+    dashboard.charts.refresh()
+    drawn: list[float] = []
+    curve = dashboard.charts.curves["tokens_per_s"]
+    monkeypatch.setattr(curve, "setData", lambda *a, **k: drawn.append(clock[0]))
+    for _ in range(9):
+        clock[0] += 1
+        node.history_points["tokens_per_s"].append((clock[0], 0.0))
+        node.history_calls.clear()
+        dashboard.charts.refresh()
+        assert all(time.time() - since <= charts.RECENT_S + 1 for series, since in node.history_calls)
+    assert drawn == []
+    clock[0] += 1
+    node.history_points["tokens_per_s"].append((clock[0], 0.0))
+    dashboard.charts.refresh()
+    assert len(drawn) == 1
 
 
 def test_a_dead_core_is_reported_even_without_a_snapshot(dashboard, bridge, qtbot):
