@@ -65,9 +65,20 @@ class Bridge(QObject):
         super().__init__(parent)
         self.node = node
         self.latest: NodeSnapshot = node.snapshot()
+        self._crossed = self.latest.without_clock()  # what the GUI thread was last handed, clock zeroed
         self.snapshot_changed.connect(self._remember)
-        self._unsubscribe = node.subscribe(self.snapshot_changed.emit)
+        self._unsubscribe = node.subscribe(self._from_core)
         self._stop_requested = False
+
+    def _from_core(self, snapshot: NodeSnapshot) -> None:
+        """On the core's thread: only a snapshot that shows something new crosses to the GUI's.
+        An idle node's once-a-second tick moves only its clock, and each crossing wakes the GUI
+        thread (a good part of a hidden app's idle CPU)."""
+        visible = snapshot.without_clock()
+        if visible == self._crossed:
+            return
+        self._crossed = visible
+        self.snapshot_changed.emit(snapshot)
 
     def _remember(self, snapshot: NodeSnapshot) -> None:
         self.latest = snapshot

@@ -21,7 +21,7 @@ History = Callable[[str, float], list[tuple[float, float]]]  # (series, window_s
 
 WINDOW_S = 10 * 60
 REFRESH_MS = 1000
-IDLE_REDRAW_S = 10.0
+IDLE_REDRAW_S = 30.0  # how often the window slides (5 % of it): an idle node's only repaint
 RECENT_S = 3.0  # how far back a refresh looks to see whether a line changed
 PLOT_HEIGHT = 180
 
@@ -84,7 +84,7 @@ class LiveCharts(QWidget):
             "kv_usage": self.plots["kv_usage"].plot(),
         }
         self.gpus: tuple[int, ...] | None = None  # None until the first snapshot says
-        self._drawn: dict[str, tuple[float | None, float, bool]] = {}  # series: (newest value, drawn at, any points)
+        self._drawn: dict[str, tuple[float | None, bool]] = {}  # series: (newest value drawn, any points)
         self._slid_at = 0.0
         self.set_gpus(())
         self.timer = QTimer(self)
@@ -126,26 +126,28 @@ class LiveCharts(QWidget):
             curve.setBrush(pg.mkBrush(colour + "22") if filled else None)
 
     def refresh(self) -> None:
-        """Redraws a series when its newest value changed, else every `IDLE_REDRAW_S` (to slide
-        the old points left): an idle node's flat lines cost a repaint every ten seconds, and
-        deciding asks the core for the last seconds only, not the whole window."""
+        """Redraws a series when its newest value changed; flat lines (an idle node's) only when
+        the window slides, every `IDLE_REDRAW_S`, all in that one repaint. The window reaches that
+        far past now, so points arriving in between are drawn at once. Deciding asks the core for
+        the last seconds only, not the whole window."""
         now = self._clock()
+        slide = now - self._slid_at >= IDLE_REDRAW_S
         has_data = False
         for series, curve in self.curves.items():
             recent = self._history(series, RECENT_S)
             newest = recent[-1][1] if recent else None
             drawn = self._drawn.get(series)
-            if drawn is not None and drawn[0] == newest and now - drawn[1] < IDLE_REDRAW_S:
-                has_data = has_data or drawn[2]
+            if drawn is not None and drawn[0] == newest and not slide:
+                has_data = has_data or drawn[1]
                 continue
             history = [(t, v) for t, v in self._history(series, WINDOW_S) if now - t <= WINDOW_S]
-            self._drawn[series] = (newest, now, bool(history))
+            self._drawn[series] = (newest, bool(history))
             has_data = has_data or bool(history)
             curve.setData([t for t, _ in history], [v for _, v in history])
-        if now - self._slid_at >= IDLE_REDRAW_S:
+        if slide:
             self._slid_at = now
             for plot in self.plots.values():
-                plot.setXRange(now - WINDOW_S, now, padding=0)
+                plot.setXRange(now - WINDOW_S, now + IDLE_REDRAW_S, padding=0)
         if self.grid.isHidden() == has_data:  # only on a change: showing or hiding re-lays out the window
             self.grid.setVisible(has_data)
             self.empty_note.setVisible(not has_data)

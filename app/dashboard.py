@@ -106,7 +106,6 @@ class Dashboard(QMainWindow):
         bridge.snapshot_changed.connect(self.show_snapshot)
         bridge.core_failed.connect(self._on_core_failed)
         self._core_problem: Problem | None = None
-        self._shown: NodeSnapshot | None = None  # the last snapshot rendered, clock fields zeroed
         self.show_snapshot(bridge.latest)
 
     def text(self, key: str) -> str:
@@ -189,11 +188,7 @@ class Dashboard(QMainWindow):
     # rendering ----------------------------------------------------------------------------
 
     def show_snapshot(self, snapshot: NodeSnapshot) -> None:
-        """Renders a snapshot, unless all it changes is the clock (an idle node ticks each second)."""
-        visible = snapshot.without_clock()
-        if visible == self._shown:
-            return
-        self._shown = visible
+        """Renders a snapshot (the bridge hands over only those that change what is seen)."""
         self._show_header(snapshot)
         self.update_banner.show_update(snapshot.update_ready)
         self.banner.show_problem(self._core_problem or snapshot.problem or snapshot.connection.problem)

@@ -33,6 +33,7 @@ JOULES_PER_KWH = 3_600_000.0
 COARSE_STEP_S = 60
 DETAIL_DAYS = 2  # requests kept one by one (for idempotency) for today and yesterday, then per day
 CHART_WINDOW_S = 3600.0  # the chart history the GUI may ask for, kept in memory: a point a second a series
+SAMPLES_FLUSH_S = 10.0  # chart points reach the file this often (the GUI reads them from memory at once)
 EARNINGS_REFRESH_S = 60.0  # earnings are re-read after each credit, and this often for electricity and the day
 EARNINGS_DAYS = 30  # the days the earnings chart shows, today included
 SERVING_SERIES = "tokens_per_s"
@@ -330,27 +331,31 @@ class Ledger:
         self.record_samples({series: value}, at)
 
     def record_samples(self, values: Mapping[str, float], at: float | None = None) -> None:
-        """Several series' points of one instant, in one transaction (one commit a second)."""
-        at = self._clock() if at is None else at
-        second, minute = int(at), int(at // COARSE_STEP_S) * COARSE_STEP_S
-        points = [(name, value) for name, value in values.items() if math.isfinite(value)]
+        """Several series' points of one instant, in one transaction."""
+        self.record_batch([(self._clock() if at is None else at, values)])
+
+    def record_batch(self, instants: Sequence[tuple[float, Mapping[str, float]]]) -> None:
+        """The points of several instants (the node's last seconds), in one transaction."""
         with self._lock, self._db:
             series = self._known_series()
-            series.update(name for name, _ in points)
-            for name, value in points:
-                self._db.execute(
-                    "INSERT INTO samples_fine VALUES (?, ?, ?) ON CONFLICT (series, t) DO UPDATE SET"
-                    " value = excluded.value",
-                    (name, second, value),
-                )
-                self._db.execute(
-                    "INSERT INTO samples_coarse VALUES (?, ?, ?, 1) ON CONFLICT (series, t) DO UPDATE SET "
-                    "total = total + excluded.total, count = count + 1",
-                    (name, minute, value),
-                )
-            if self._pruned_minute != minute:
-                self._prune(series, second)
-                self._pruned_minute = minute
+            for at, values in instants:
+                second, minute = int(at), int(at // COARSE_STEP_S) * COARSE_STEP_S
+                points = [(name, value) for name, value in values.items() if math.isfinite(value)]
+                series.update(name for name, _ in points)
+                for name, value in points:
+                    self._db.execute(
+                        "INSERT INTO samples_fine VALUES (?, ?, ?) ON CONFLICT (series, t) DO UPDATE SET"
+                        " value = excluded.value",
+                        (name, second, value),
+                    )
+                    self._db.execute(
+                        "INSERT INTO samples_coarse VALUES (?, ?, ?, 1) ON CONFLICT (series, t) DO UPDATE SET "
+                        "total = total + excluded.total, count = count + 1",
+                        (name, minute, value),
+                    )
+                if self._pruned_minute != minute:
+                    self._prune(series, second)
+                    self._pruned_minute = minute
 
     def _known_series(self) -> set[str]:
         """Every series the file holds points of (read once), so one no longer recorded (a card
@@ -414,6 +419,8 @@ class Books:
         self._earnings_read_at = float("-inf")
         self.earnings: EarningsSnapshot | None = None
         self._charts: dict[str, deque[tuple[float, float]]] = {}  # the last CHART_WINDOW_S, in memory
+        self._pending: list[tuple[float, dict[str, float]]] = []  # chart points not yet on disk
+        self._flushed_at = float("-inf")
         self._charts_lock = threading.Lock()
 
     def open(self) -> None:
@@ -447,12 +454,26 @@ class Books:
         currency, price = self._currency(), self._price()
         self.earnings = self.use(lambda ledger: ledger.summary(currency=currency, price_per_kwh=price)) or self.earnings
 
-    def record_samples(self, rows: Sequence[tuple[str, float | None]], now: float) -> None:
-        """Chart points (every second); the earnings re-read once every `EARNINGS_REFRESH_S`."""
+    def add_samples(self, rows: Sequence[tuple[str, float | None]], now: float) -> bool:
+        """This second's chart points: in memory at once (what the GUI reads), on disk at the next
+        `flush`. True when one is due: the points kept since the last (every `SAMPLES_FLUSH_S`),
+        or the earnings' re-read (every `EARNINGS_REFRESH_S`). On the event loop, no SQLite."""
         values = {name: value for name, value in rows if value is not None and math.isfinite(value)}
         if values:
-            self.use(lambda ledger: ledger.record_samples(values, now))
             self._remember(values, now)
+            with self._charts_lock:
+                self._pending.append((now, values))
+        return now - self._flushed_at >= SAMPLES_FLUSH_S or now - self._earnings_read_at >= EARNINGS_REFRESH_S
+
+    def flush(self, now: float) -> None:
+        """In a thread: the chart points kept since the last flush, in one transaction, and the
+        earnings re-read when due. One thread hand-off every few seconds, not every second: on an
+        idle node those hand-offs were a good part of its CPU."""
+        with self._charts_lock:
+            pending, self._pending = self._pending, []
+        if pending:
+            self.use(lambda ledger: ledger.record_batch(pending))
+        self._flushed_at = now
         if now - self._earnings_read_at >= EARNINGS_REFRESH_S:
             self._earnings_read_at = now
             self.read_earnings()
@@ -489,6 +510,7 @@ class Books:
         await asyncio.to_thread(self._close)
 
     def _close(self) -> None:
+        self.flush(time.time())  # the last seconds' chart points too
         with self._guard:
             ledger, self._ledger = self._ledger, None
         with self._charts_lock:

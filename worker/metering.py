@@ -29,7 +29,7 @@ from worker.supervise import EngineSupervisor
 
 log = logging.getLogger(__name__)
 
-IDLE_SCRAPE_S = 10.0  # engine /metrics while nothing is in flight: an idle node stays near 0 % CPU
+IDLE_SCRAPE_S = 30.0  # engine /metrics while nothing is in flight: an idle node stays near 0 % CPU
 # What a finished generation earns under: the served model's name and the price; None while
 # nothing is assigned.
 Terms = Callable[[], tuple[str, protocol.Price] | None]
@@ -55,6 +55,7 @@ class Metering(RelayHooks):
         self._at_ready: dict[str, EngineMetrics] = {}  # the run's baseline, for spec-decode figures
         self._token_baseline: dict[str, tuple[EngineMetrics, int]] = {}  # /metrics and relay tokens, engine idle
         self._last_scrape = float("-inf")
+        self._was_busy = False
 
     # --- runs -------------------------------------------------------------------------------
 
@@ -115,8 +116,10 @@ class Metering(RelayHooks):
 
     async def scrape(self, targets: Sequence[EngineTarget], *, busy: bool) -> None:
         """Each ready engine's /metrics: at every call while requests are in flight (`busy`), else
-        every `IDLE_SCRAPE_S`."""
-        if not busy and self._monotonic() - self._last_scrape < IDLE_SCRAPE_S:
+        every `IDLE_SCRAPE_S`, and once as it turns idle (so what the last requests left, the KV
+        cache in use, is not shown for half a minute after they ended)."""
+        turned_idle, self._was_busy = self._was_busy and not busy, busy
+        if not busy and not turned_idle and self._monotonic() - self._last_scrape < IDLE_SCRAPE_S:
             return
         self._last_scrape = self._monotonic()
         for target in targets:

@@ -560,7 +560,8 @@ class Node:
             await asyncio.to_thread(self._books.use, lambda ledger: ledger.record_energy(joules, now, price, currency))
         await self._metering.scrape(self._engines.ready_targets(), busy=self._in_flight() > 0)
         rows = chart_points(self._metering.figures(), self._metering.mean_kv_usage(), self._gpus.samples.values())
-        await asyncio.to_thread(self._books.record_samples, rows, now)
+        if self._books.add_samples(rows, now):
+            await asyncio.to_thread(self._books.flush, now)
 
     def _build_snapshot(self) -> NodeSnapshot:
         started = hasattr(self, "state")  # loaded when the node starts running

@@ -47,6 +47,7 @@ from worker import procs
 from worker.config import Paths, private_dir
 from worker.events import ContextNumbers, EngineSnapshot, NodeState
 from worker.plan import EnginePlan
+from worker.loopback_http import LoopbackClient, LoopbackHTTPError
 from worker.relay import EngineTarget
 from worker.restart_policy import (
     AttemptFacts,
@@ -118,6 +119,7 @@ class EngineSupervisor:
         self._remeasure = remeasure
         self._http = http
         self._owns_http = False
+        self._health_client = LoopbackClient(max_idle_per_engine=1)
         self._unix_socket = UNIX_SOCKETS if unix_socket is None else unix_socket
         self._socket_path: Path | None = None
         self._temp_folder: Path | None = None
@@ -215,6 +217,7 @@ class EngineSupervisor:
         self._set("stopped", reason)
         if self._owns_http and self._http is not None:
             await self._http.aclose()
+        await self._health_client.aclose()
 
     def _remove_socket(self) -> None:
         """A socket file left by an engine that is gone: the next one could not bind its path."""
@@ -423,12 +426,17 @@ class EngineSupervisor:
                 self._set("degraded", f"health check failed: {problem}")
 
     async def _health_problem(self) -> str | None:
+        """One `/health` check, through the relay's lean client: it runs every few seconds for
+        as long as the engine serves, and httpx's per-request work was most of an idle node's CPU."""
         timeout = self._timing.health_timeout_s
+        socket_path = str(self._socket_path) if self._socket_path is not None else None
+        request = self._health_client.build_request("GET", self._url("/health"), socket_path=socket_path)
         try:
-            response = await self.http.get(self._url("/health"), timeout=timeout)
-        except httpx.TimeoutException:
+            async with asyncio.timeout(timeout):
+                response = await self._health_client.send(request, stream=False)
+        except TimeoutError:
             return f"no answer within {timeout:g} s"
-        except httpx.HTTPError as exc:
+        except (LoopbackHTTPError, ValueError, EOFError) as exc:
             return type(exc).__name__
         return None if response.status_code == 200 else f"HTTP {response.status_code}"
 

@@ -37,8 +37,8 @@ def dashboard(bridge, qtbot, scheme) -> Dashboard:
 
 
 def show(node, qtbot, bridge, snapshot) -> None:
-    with qtbot.waitSignal(bridge.snapshot_changed):
-        node.emit(snapshot)
+    node.emit(snapshot)  # on this thread: the bridge hands it on at once (unless it shows nothing new)
+    assert bridge.latest.without_clock() == snapshot.without_clock()
 
 
 def on_screen(dashboard: Dashboard) -> str:
@@ -298,20 +298,6 @@ def test_charts_poll_only_while_visible(dashboard, node, qtbot):
     assert not dashboard.charts.timer.isActive()
 
 
-def test_a_snapshot_that_only_moves_the_clock_is_not_rendered_again(dashboard, node, bridge, qtbot, monkeypatch):
-    first = snapshots.serving()
-    show(node, qtbot, bridge, first)
-    rendered: list[str] = []
-    monkeypatch.setattr(dashboard, "_show_stats", lambda snap: rendered.append("stats"))
-    later = replace(
-        first, at=first.at + 1, throughput=replace(first.throughput, run_seconds=first.throughput.run_seconds + 1)
-    )
-    show(node, qtbot, bridge, later)
-    assert rendered == []
-    show(node, qtbot, bridge, replace(later, in_flight=later.in_flight + 1))
-    assert rendered == ["stats"]
-
-
 def test_charts_redraw_only_what_changed(dashboard, node, qtbot, monkeypatch):
     """An idle node's charts cost no repaints: unchanged series are not redrawn each second."""
     now = time.time()
@@ -337,7 +323,7 @@ def test_a_flat_idle_line_is_redrawn_only_to_slide(dashboard, node, qtbot, monke
     drawn: list[float] = []
     curve = dashboard.charts.curves["tokens_per_s"]
     monkeypatch.setattr(curve, "setData", lambda *a, **k: drawn.append(clock[0]))
-    for _ in range(9):
+    for _ in range(int(charts.IDLE_REDRAW_S) - 1):
         clock[0] += 1
         node.history_points["tokens_per_s"].append((clock[0], 0.0))
         node.history_calls.clear()

@@ -12,6 +12,7 @@ import pytest
 
 from worker.ledger import (
     CHART_WINDOW_S,
+    SAMPLES_FLUSH_S,
     SERVING_SERIES,
     Books,
     EnergyIntegrator,
@@ -340,7 +341,8 @@ async def test_books_read_earnings_in_the_users_currency_and_chart_points_withou
     assert books.earnings is not None and (books.earnings.currency, books.earnings.all_time) == ("USD", 0.0)
     currency[0] = "EUR"
     now = at("2026-11-25 12:00")
-    books.record_samples([("tokens_per_s", 42.0), ("kv_usage", None)], now)  # the first: earnings re-read
+    assert books.add_samples([("tokens_per_s", 42.0), ("kv_usage", None)], now)  # the first: a flush is due
+    books.flush(now)  # earnings re-read
     assert books.earnings.currency == "EUR" and books.earnings.all_time == pytest.approx(1.0)
     assert books.use(lambda ledger: ledger.series("tokens_per_s", now - 1, now)) == [(float(int(now)), 42.0)]
     assert books.use(lambda ledger: ledger.series("kv_usage", now - 1, now)) == []
@@ -353,12 +355,12 @@ async def test_chart_history_is_served_from_memory_and_survives_a_restart(tmp_pa
     first = Books(tmp_path / "ledger.sqlite3", lambda: "USD")
     first.open()
     for second in range(5):
-        first.record_samples([("tokens_per_s", 10.0 + second), ("gpu_util", None)], now - 5 + second)
-    await first.close()
+        first.add_samples([("tokens_per_s", 10.0 + second), ("gpu_util", None)], now - 5 + second)
+    await first.close()  # what was not on disk yet is written as it closes
 
     again = Books(tmp_path / "ledger.sqlite3", lambda: "USD")
     again.open()  # the last hour comes back from the file, once, off the GUI thread
-    again.record_samples([("tokens_per_s", 99.0)], now)
+    again.add_samples([("tokens_per_s", 99.0)], now)
 
     def no_sqlite(*args: object, **kwargs: object) -> None:
         raise AssertionError("chart history read SQLite")
@@ -378,9 +380,29 @@ async def test_books_give_the_electricity_price_and_forget_cards_no_longer_sampl
     assert books.earnings is not None and books.earnings.electricity_price_per_kwh == 0.0  # not set: the app nudges
     price[0] = 0.32
     now = time.time()
-    books.record_samples([("gpu1.power_w", 300.0), ("tokens_per_s", 1.0)], now)
+    books.add_samples([("gpu1.power_w", 300.0), ("tokens_per_s", 1.0)], now)
+    books.flush(now)
     assert books.earnings.electricity_price_per_kwh == 0.32 and len(books.earnings.days) == 30
-    books.record_samples([("tokens_per_s", 2.0)], now + CHART_WINDOW_S + 1)  # the card is gone
+    books.add_samples([("tokens_per_s", 2.0)], now + CHART_WINDOW_S + 1)  # the card is gone
     assert books.chart("gpu1.power_w", 0.0) == [] and "gpu1.power_w" not in books._charts
     assert [v for _, v in books.chart("tokens_per_s", 0.0)] == [2.0]
+    await books.close()
+
+
+async def test_chart_points_reach_the_file_every_few_seconds_in_one_go(tmp_path: Path) -> None:
+    """An idle node records a point a second: memory at once, the file every `SAMPLES_FLUSH_S`
+    (one thread hand-off and one transaction, not one a second)."""
+    books = Books(tmp_path / "ledger.sqlite3", lambda: "USD")
+    books.open()
+    now = time.time()
+    assert books.add_samples([("tokens_per_s", 0.0)], now)  # nothing flushed yet: due at once
+    books.flush(now)
+    due = [books.add_samples([("tokens_per_s", float(s))], now + s) for s in range(1, int(SAMPLES_FLUSH_S) + 1)]
+    assert due == [False] * (int(SAMPLES_FLUSH_S) - 1) + [True]
+    on_disk = books.use(lambda ledger: ledger.series("tokens_per_s", now - 1, now + 60))
+    assert [v for _, v in on_disk] == [0.0]  # the rest waits in memory ...
+    assert len(books.chart("tokens_per_s", now - 1)) == int(SAMPLES_FLUSH_S) + 1  # ... where the GUI reads it
+    books.flush(now + SAMPLES_FLUSH_S)
+    on_disk = books.use(lambda ledger: ledger.series("tokens_per_s", now - 1, now + 60))
+    assert [v for _, v in on_disk] == [float(s) for s in range(int(SAMPLES_FLUSH_S) + 1)]
     await books.close()
