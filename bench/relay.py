@@ -18,6 +18,7 @@ cheap enough that direct measures the engine, not the client).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import pstats
@@ -120,8 +121,10 @@ class Run:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e6
 
 
+@functools.cache
 def cpu_split() -> tuple[str, str]:
-    """(the node's CPU, everyone else's CPUs): the node gets one core to itself where possible."""
+    """(the node's CPU, everyone else's CPUs): the node gets one core to itself where possible.
+    Worked out once, from the CPUs this process had before it moved itself off the node's."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if not cpus:
         return "", ""
@@ -281,6 +284,7 @@ def _load_generator_off_the_node_cpu() -> Iterator[None]:
 
 
 async def measure(settings: RelaySettings) -> tuple[list[Figure], dict[str, Any]]:
+    cpu_split()  # before this process leaves the node's CPU: asked later, it would see only the others
     with _load_generator_off_the_node_cpu():
         return await _measure(settings)
 
