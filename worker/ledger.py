@@ -420,6 +420,7 @@ class Books:
         self.earnings: EarningsSnapshot | None = None
         self._charts: dict[str, deque[tuple[float, float]]] = {}  # the last CHART_WINDOW_S, in memory
         self._pending: list[tuple[float, dict[str, float]]] = []  # chart points not yet on disk
+        self._energy: list[tuple[float, float, float, str]] = []  # (joules, at, price, currency) likewise
         self._flushed_at = float("-inf")
         self._charts_lock = threading.Lock()
 
@@ -465,14 +466,26 @@ class Books:
                 self._pending.append((now, values))
         return now - self._flushed_at >= SAMPLES_FLUSH_S or now - self._earnings_read_at >= EARNINGS_REFRESH_S
 
+    def add_energy(self, joules: float, now: float, price_per_kwh: float, currency: str) -> None:
+        """Energy serving drew this second, on disk at the next `flush` (on the event loop)."""
+        with self._charts_lock:
+            self._energy.append((joules, now, price_per_kwh, currency))
+
     def flush(self, now: float) -> None:
-        """In a thread: the chart points kept since the last flush, in one transaction, and the
-        earnings re-read when due. One thread hand-off every few seconds, not every second: on an
-        idle node those hand-offs were a good part of its CPU."""
+        """In a thread: the chart points and energy kept since the last flush, and the earnings
+        re-read when due. One thread hand-off every few seconds, not every second: on an idle
+        node those hand-offs were a good part of its CPU."""
         with self._charts_lock:
             pending, self._pending = self._pending, []
-        if pending:
-            self.use(lambda ledger: ledger.record_batch(pending))
+            energy, self._energy = self._energy, []
+
+        def write(ledger: Ledger) -> None:
+            for joules, at, price, currency in energy:
+                ledger.record_energy(joules, at, price, currency)
+            if pending:
+                ledger.record_batch(pending)
+
+        self.use(write)
         self._flushed_at = now
         if now - self._earnings_read_at >= EARNINGS_REFRESH_S:
             self._earnings_read_at = now

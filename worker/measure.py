@@ -272,8 +272,8 @@ class RunMeter:
     def live_tokens_per_s(self, now: float | None = None) -> float:
         """Output tokens of the last `LIVE_WINDOW_S` ÷ that window, warm-up included: what the card
         does now. Always ÷ the whole window (the contract's minimum), so a run's first seconds never
-        read high, and it reads 0 one window after the load stops. A stream's tokens count once
-        it ends (spread over it), as the relay reports them."""
+        read high, and it reads 0 one window after the load stops. A stream's tokens count as the
+        relay reports its progress (about once a second), its usage settling the count at the end."""
         now = self._now(now)
         self._forget_before(now - self._keep_s)
         start = now - LIVE_WINDOW_S

@@ -98,6 +98,11 @@ class Metering(RelayHooks):
         if meter:
             meter.first_token(request_id, t)
 
+    def on_progress(self, request_id: str, events: int, t: float) -> None:
+        meter = self._meters.get(self._request_engine.get(request_id, ""))
+        if meter:
+            meter.token_progress(request_id, events, t)
+
     def on_end(self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool) -> None:
         started = self._request_engine.pop(request_id, None) is not None  # False: cancelled before it ran
         sup = self._engine(engine_id)

@@ -13,6 +13,7 @@ in the right order. Commands (`pause`, `resume`, `retry`, `apply_settings`, `sig
 from __future__ import annotations
 
 import asyncio
+import gc
 import dataclasses
 import json
 import logging
@@ -205,6 +206,7 @@ class Node:
             self._tasks.spawn(self._ticker())
             self._tasks.spawn(self._autopause().run())
             self._news.publish()
+            gc.freeze()  # what start-up made lives as long as the node: full collections skip it
             await self._stopping.wait()
         finally:
             await self._close()
@@ -555,9 +557,8 @@ class Node:
         """GPU telemetry, energy, engine /metrics and chart history, once a second, off the loop."""
         now = self._clock()
         joules = await self._gpus.sample(now)
-        if joules:
-            price, currency = self.settings.electricity_price_per_kwh, self.settings.currency
-            await asyncio.to_thread(self._books.use, lambda ledger: ledger.record_energy(joules, now, price, currency))
+        if joules and len(self._engines):  # serving's electricity: none while paused (a game's is the player's)
+            self._books.add_energy(joules, now, self.settings.electricity_price_per_kwh, self.settings.currency)
         await self._metering.scrape(self._engines.ready_targets(), busy=self._in_flight() > 0)
         rows = chart_points(self._metering.figures(), self._metering.mean_kv_usage(), self._gpus.samples.values())
         if self._books.add_samples(rows, now):

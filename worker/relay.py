@@ -45,6 +45,7 @@ GateCode = Literal["paused", "draining", "not_ready"]
 
 DRAIN_TIMEOUT_S = 30.0
 _FRAME_CHARS = 1 << 20  # at most 6 MiB once JSON-escaped: far below the protocol's 16 MiB
+PROGRESS_EVERY_S = 1.0
 
 _GATE_MESSAGES: dict[str, str] = {
     "paused": "this node is paused by its owner; send the request to another node",
@@ -76,6 +77,10 @@ class RelayHooks:
 
     def on_first_token(self, request_id: str, t: float) -> None:
         """The first bytes of the answer reached the relay."""
+
+    def on_progress(self, request_id: str, events: int, t: float) -> None:
+        """A streamed answer's SSE events relayed so far (about one a token), at most every
+        `PROGRESS_EVERY_S`: a long stream counts in the live figures before it ends."""
 
     def on_end(
         self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool
@@ -367,13 +372,18 @@ class Relay:
     async def _pump(self, job: _Job, response: Response, filter_: StreamFilter) -> None:
         request_id = job.request.id
         outbox = _Outbox(request_id, job.send, filter_)
-        put, on_first_token = outbox.put, job.hooks.on_first_token
-        first = True
+        put, hooks, clock = outbox.put, job.hooks, self._clock
+        events, report_at = 0, None  # None until the first read, which is the first token
         try:
             async for raw in response.aiter_raw():
-                if first:
-                    on_first_token(request_id, self._clock())
-                    first = False
+                now = clock()
+                if report_at is None:
+                    hooks.on_first_token(request_id, now)
+                    report_at = now + PROGRESS_EVERY_S
+                events += raw.count(b"\n\n")  # SSE events end in a blank line
+                if now >= report_at and events:
+                    hooks.on_progress(request_id, events, now)
+                    report_at = now + PROGRESS_EVERY_S
                 put(raw)
                 if outbox.gone:
                     raise _CoordinatorGone

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,13 @@ from worker.node import Node
 pytestmark = pytest.mark.integration
 
 GAME = "Cyberpunk2077.exe"
+
+
+def serving_kwh(node: Node) -> float:
+    """Energy charged to serving today, with what the node holds in memory written first."""
+    node._books.flush(time.time())
+    summary = node._books.use(lambda ledger: ledger.summary())
+    return summary.energy_kwh_today if summary else 0.0
 
 
 def free_mib(card: FakeCard) -> int:
@@ -77,6 +85,9 @@ async def test_a_display_attached_4090_serves_answers_long_and_pauses_for_a_game
         assert long.error is None and long.end is not None and long.end.usage is not None
         assert long.end.usage.completion_tokens == 25  # ~5 s of silence on a non-streaming request: not a stall
 
+        card.energy_mj += 36_000_000  # 10 Wh drawn while serving: serving's electricity
+        await eventually(lambda: serving_kwh(node) > 0.0)
+
         mark = run.mark()
         game = spawn(GAME)
         card.processes.append(FakeProcess(game.pid, used_mib=4096, sm_pct=90))
@@ -85,6 +96,10 @@ async def test_a_display_attached_4090_serves_answers_long_and_pauses_for_a_game
         await eventually(lambda: node.snapshot().engines == ())  # drained and stopped: the GPU is the player's
         refused = await run.ask({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert refused.error is not None and refused.error.code == "paused"
+        before = serving_kwh(node)
+        card.energy_mj += 360_000_000  # 100 Wh of gaming: the player's, not charged against earnings
+        await asyncio.sleep(2.5)  # two samples and more
+        assert serving_kwh(node) == before
 
         mark = run.mark()
         card.processes.pop()

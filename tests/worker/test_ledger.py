@@ -406,3 +406,19 @@ async def test_chart_points_reach_the_file_every_few_seconds_in_one_go(tmp_path:
     on_disk = books.use(lambda ledger: ledger.series("tokens_per_s", now - 1, now + 60))
     assert [v for _, v in on_disk] == [float(s) for s in range(int(SAMPLES_FLUSH_S) + 1)]
     await books.close()
+
+
+async def test_energy_waits_in_memory_with_the_chart_points(tmp_path: Path) -> None:
+    books = Books(tmp_path / "ledger.sqlite3", lambda: "USD", lambda: 0.5)
+    books.open()
+    now = at("2026-11-25 12:00")  # midday: the day cannot turn during the test
+    books.add_energy(3_600_000.0, now, 0.5, "USD")  # 1 kWh
+    assert books.use(lambda ledger: ledger.summary(now + 1)).energy_kwh_today == 0.0  # not on disk yet
+    books.flush(now)
+    summary = books.use(lambda ledger: ledger.summary(now + 1))
+    assert (summary.energy_kwh_today, summary.energy_cost_today) == (pytest.approx(1.0), pytest.approx(0.5))
+    books.add_energy(3_600_000.0, now + 1, 0.5, "USD")
+    await books.close()  # written as it closes
+    again = Ledger(tmp_path / "ledger.sqlite3")
+    assert again.summary(now + 2).energy_kwh_today == pytest.approx(2.0)
+    again.close()

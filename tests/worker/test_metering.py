@@ -273,3 +273,16 @@ async def test_engines_capacities_add_up_for_one_model_only(setup: Setup) -> Non
     latest = setup.metering.last_capacity
     assert latest is not None and latest.model == "llama-70b"
     assert latest.tokens_per_s == pytest.approx(10.0, rel=0.05)  # qwen3-8b's e0 left out
+
+
+async def test_a_long_stream_counts_in_the_live_rate_while_it_streams(setup: Setup) -> None:
+    """The relay reports a stream's events about once a second; the live figure does not wait
+    for its end (a two-minute answer would otherwise read 0 tok/s all the while)."""
+    setup.metering.start_run("e0", "run-1")
+    setup.metering.on_start("r-1", "e0", setup.clock.now)
+    setup.metering.on_first_token("r-1", setup.clock.now)
+    for second in range(1, 21):
+        setup.clock.now += 1.0
+        setup.metering.on_progress("r-1", 30 * second, setup.clock.now)
+    assert setup.metering.figures().live_tokens_per_s == pytest.approx(30.0, rel=0.1)
+    setup.metering.on_progress("unknown", 5, setup.clock.now)  # a request no engine runs: nothing happens

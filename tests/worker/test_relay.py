@@ -15,7 +15,7 @@ from tests.support.fake_engine import Behaviour, FakeEngine
 from worker import protocol
 from worker.link import Link
 from worker.localnet import ReferenceCoordinator
-from worker.relay import EngineTarget, Relay, RelayHooks, engine_http_client
+from worker.relay import PROGRESS_EVERY_S, EngineTarget, Relay, RelayHooks, engine_http_client
 from worker.relay_body import MAX_BODY_DEPTH, StreamFilter, media_by_url
 
 CHAT = "/v1/chat/completions"
@@ -57,6 +57,11 @@ class Recorder(RelayHooks):
 
     def on_end(self, request_id: str, engine_id: str, t: float, usage: protocol.Usage | None, ok: bool) -> None:
         self.calls.append(("end", request_id, engine_id, usage, ok))
+
+
+class ProgressRecorder(Recorder):
+    def on_progress(self, request_id: str, events: int, t: float) -> None:
+        self.calls.append(("progress", request_id, events, t))
 
 
 @pytest.fixture
@@ -348,6 +353,21 @@ async def test_hooks_see_start_first_token_and_end(engine, http) -> None:
         ("end", "r-1", "e0", protocol.Usage(prompt_tokens=9, completion_tokens=16), True),
     ]
 
+
+
+async def test_a_long_stream_reports_its_progress_about_once_a_second(engine, http) -> None:
+    """So the live tok/s counts a long answer while it streams, not only once it has ended."""
+    engine.behaviour = Behaviour(tokens=20, token_delay_s=0.005)
+    ticks = iter(range(1000))
+    hooks = ProgressRecorder()
+    relay = Relay(Wire().send, lambda: [target_of(engine)], lambda: None, http=http, hooks=hooks,
+                  clock=lambda: next(ticks) * 0.4)  # each read 0.4 s after the one before
+    await relay.handle(request())
+    progress = [call for call in hooks.calls if call[0] == "progress"]
+    counts, times = [call[2] for call in progress], [call[3] for call in progress]
+    assert len(progress) >= 3 and counts == sorted(counts) and counts[-1] <= 20 + 2  # tokens, usage, [DONE]
+    assert all(later - earlier >= PROGRESS_EVERY_S for earlier, later in zip(times, times[1:]))
+    assert [call[0] for call in hooks.calls][:2] == ["start", "first"] and hooks.calls[-1][0] == "end"
 
 
 async def test_only_generations_reach_the_hooks(engine, http) -> None:
