@@ -21,13 +21,6 @@ from worker.events import DownloadProgress
 JARGON = ("tier", "tensor", "Roofline", "runtime", "Groups [", "physical", "KV ", "pid", "Last error", "Traceback")
 
 
-@pytest.fixture(params=["light", "dark"])
-def scheme(request, qapp):
-    theme.install(qapp, request.param)
-    yield request.param
-    qapp.setStyleSheet("")
-    qapp.setPalette(qapp.style().standardPalette())
-
 
 @pytest.fixture
 def dashboard(bridge, qtbot, scheme) -> Dashboard:

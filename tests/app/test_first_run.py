@@ -16,34 +16,15 @@ from app.first_run import GPUS, HABITS, NETWORK, PRICE, SIGN_IN, FirstRunFlow
 from app.format import CPU_ONLY, FINDING_GPUS
 from app.signin import NO_KEYRING
 from tests.app import snapshots
+from tests.app.conftest import REAL, TOKEN
 from tests.app.scripted_node import ScriptedNode
 from worker import networks, secrets
-from worker.autostart import XdgAutostart
-from worker.config import Paths, Settings, load_settings
-from worker.networks import Network
+from worker.config import Settings, load_settings
 
-TOKEN = "gpt_live_3f9c2a7b1e5d4c8a"
-REAL = Network("Test Network", "wss://coordinator.example.net/v1/node", "https://example.net/account/tokens", "EUR")
 CHOICES = (REAL, networks.LOCAL)
 
 
-@pytest.fixture(params=["light", "dark"])
-def scheme(request, qapp):
-    """Each test runs in both schemes; the app-wide style is dropped again afterwards."""
-    theme.install(qapp, request.param)
-    yield request.param
-    qapp.setStyleSheet("")
-    qapp.setPalette(qapp.style().standardPalette())
 
-
-@pytest.fixture
-def paths(tmp_path) -> Paths:
-    return Paths.under(tmp_path / "data").ensure()
-
-
-@pytest.fixture
-def login_item(tmp_path) -> XdgAutostart:
-    return XdgAutostart(["gpu-provider", "--minimized"], config_home=tmp_path / "xdg")
 
 
 def start(qtbot, paths, bridge, login_item, settings: Settings | None = None) -> FirstRunFlow:

@@ -1,9 +1,8 @@
 from __future__ import annotations
 
-import pytest
-
 import os
 
+import pytest
 from PySide6.QtWidgets import QWidget
 
 from app.bridge import Bridge
@@ -11,24 +10,13 @@ from app.settings import SettingsDialog
 from app.format import FINDING_GPUS
 from app.signin import SignInDialog
 from tests.app import snapshots
+from tests.app.conftest import REAL, TOKEN
 from tests.app.scripted_node import ScriptedNode
 from worker import networks, secrets
-from worker.autostart import XdgAutostart
-from worker.config import Paths, Settings, load_settings
-from worker.networks import Network
-
-REAL = Network("Test Network", "wss://coordinator.example.net/v1/node", "https://example.net/account/tokens", "EUR")
-TOKEN = "gpt_live_3f9c2a7b1e5d4c8a"
+from worker.config import Settings, load_settings
 
 
-@pytest.fixture
-def paths(tmp_path) -> Paths:
-    return Paths.under(tmp_path / "data").ensure()
 
-
-@pytest.fixture
-def login_item(tmp_path) -> XdgAutostart:
-    return XdgAutostart(["gpu-provider", "--minimized"], config_home=tmp_path / "xdg")
 
 
 def dialog_for(qtbot, paths, bridge, login_item, settings: Settings | None = None) -> SettingsDialog:

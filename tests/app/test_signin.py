@@ -13,25 +13,15 @@ from app.bridge import Bridge
 from app.format import CPU_ONLY, FINDING_GPUS
 from app.signin import SignInDialog
 from tests.app import snapshots
+from tests.app.conftest import REAL, TOKEN
 from tests.app.scripted_node import ScriptedNode
 from worker import secrets
-from worker.networks import Network
-
-TOKEN = "gpt_live_3f9c2a7b1e5d4c8a"
-NETWORK = Network("Test Network", "wss://coordinator.example.net/v1/node", "https://example.net/account/tokens", "EUR")
 
 
-@pytest.fixture(params=["light", "dark"])
-def scheme(request, qapp):
-    """Each test runs in both schemes; the app-wide style is dropped again afterwards."""
-    theme.install(qapp, request.param)
-    yield request.param
-    qapp.setStyleSheet("")
-    qapp.setPalette(qapp.style().standardPalette())
 
 
 def dialog(qtbot, bridge: Bridge) -> SignInDialog:
-    window = SignInDialog(bridge, NETWORK)
+    window = SignInDialog(bridge, REAL)
     qtbot.addWidget(window)
     window.show()
     return window

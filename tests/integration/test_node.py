@@ -184,9 +184,12 @@ def _alive(pid: int) -> bool:
 
 @asynccontextmanager
 async def running_node(tmp_path: Path, engine_bins: dict[str, str], *, fixture: str = "rtx4090.json",
-                       assign: protocol.Assign | None = None, engines: int = 1) -> AsyncIterator[Running]:
-    """Starts a coordinator and a Node on a recorded machine; on the way out shuts the node down
-    and checks that no engine process is left."""
+                       assign: protocol.Assign | None = None, engines: int = 1,
+                       configure: Callable[[Node], None] = lambda node: None,
+                       **node_options: Any) -> AsyncIterator[Running]:
+    """Starts a coordinator and a Node on a recorded machine (`node_options` to `Node`,
+    `configure` before it runs); on the way out shuts the node down and checks that no engine
+    process is left."""
     coordinator = ReferenceCoordinator(token=TOKEN, heartbeat_s=1.0, price=PRICE, assign=assign)
     await coordinator.start()
     first_port = free_ports(engines)
@@ -199,7 +202,9 @@ async def running_node(tmp_path: Path, engine_bins: dict[str, str], *, fixture: 
         token_provider=lambda: TOKEN,
         backoff=Backoff(base_s=0.01, cap_s=0.05, reset_after_s=60.0),
         first_port=first_port,
+        **node_options,
     )
+    configure(node)
     task = asyncio.create_task(node.run())
     running = Running(node, coordinator, task, first_port)
     node.subscribe(running.seen)

@@ -23,14 +23,13 @@ from tests.integration.test_node import (
     TOKEN,
     Running,
     eventually,
-    free_ports,
-    hardware_file,
     model_folder,
+    running_node,
     vllm,
     vllm_assign,
 )
 from worker import download, node as node_module, protocol
-from worker.config import Paths, Settings
+from worker.config import Settings
 from worker.events import Problem
 from worker.link import Backoff
 from worker.localnet import ReferenceCoordinator
@@ -48,26 +47,14 @@ QUICK_RESTARTS = SupervisorTiming(max_fast_failures=3, poll_s=0.05, output_settl
 async def controlled_node(tmp_path: Path, standin: Path, *, assign: protocol.Assign | None = None,
                           offline_backoff: RestartBackoff = RestartBackoff(15.0, 600.0),
                           ) -> AsyncIterator[Running]:
-    """A Node on a recorded machine and its coordinator; quick engine restarts; shut down on the way out."""
-    coordinator = ReferenceCoordinator(token=TOKEN, heartbeat_s=1.0, price=PRICE, assign=assign)
-    await coordinator.start()
-    node = Node(Paths.under(tmp_path / "node"), Settings(), coordinator_url=coordinator.url,
-                hardware_override=hardware_file(tmp_path, "rtx4090.json"), engine_bins=vllm(standin),
-                token_provider=lambda: TOKEN, backoff=Backoff(base_s=0.01, cap_s=0.05, reset_after_s=60.0),
-                first_port=free_ports(1), offline_backoff=offline_backoff)
-    node._engines.timing, node._engines.backoff = QUICK_RESTARTS, RestartBackoff(initial_s=0.2, maximum_s=0.2)
-    running = Running(node, coordinator, asyncio.create_task(node.run()), 0)
-    node.subscribe(running.seen)
-    try:
+    """A Node on a recorded machine and its coordinator, with quick engine restarts."""
+
+    def quick_restarts(node: Node) -> None:
+        node._engines.timing, node._engines.backoff = QUICK_RESTARTS, RestartBackoff(initial_s=0.2, maximum_s=0.2)
+
+    async with running_node(tmp_path, vllm(standin), assign=assign, configure=quick_restarts,
+                            offline_backoff=offline_backoff) as running:
         yield running
-    finally:
-        node.shutdown()
-        try:
-            async with asyncio.timeout(STATE_TIMEOUT_S):
-                await running.task
-        finally:
-            await coordinator.stop()
-        assert running.live_engine_pids() == []
 
 
 def flaky_provision(monkeypatch: pytest.MonkeyPatch, failures: list[BaseException]) -> list[float]:
