@@ -141,6 +141,11 @@ def paused_for_game() -> NodeSnapshot:
     return replace(idle(), state="paused", paused=True, pause_reason="game", model=MODEL, last_capacity=CAPACITY)
 
 
+def paused_for_named_game() -> NodeSnapshot:
+    """As the core reports it when it saw the game's process on the card."""
+    return replace(paused_for_game(), pause_detail="Cyberpunk2077.exe")
+
+
 def paused_until(until: float) -> NodeSnapshot:
     return replace(idle(), state="paused", paused=True, pause_reason="timed", pause_until=until, model=MODEL)
 
@@ -237,7 +242,7 @@ MAIN_STATES = {
     "idle": idle,
     "starting": starting,
     "serving": serving,
-    "paused": paused_for_game,
+    "paused": paused_for_named_game,
     "failed": failed_with_retry,
     "offline": offline,
     "update": update_ready,
