@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import cProfile
 import os
 import signal
@@ -56,6 +57,7 @@ async def serve(url: str, engine_url: str, api_key: str) -> None:
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
     running = asyncio.create_task(link.run())
+    gc.freeze()  # as `Node` does once it is up
     await stopping.wait()
     await link.close()
     await running
