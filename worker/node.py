@@ -603,11 +603,10 @@ class Node:
             self._tasks.call(lambda: self._tasks.spawn(updater.install_now()))
 
     def _on_update_status(self, status: UpdateStatus) -> None:
-        """Installed and rolled-back updates become notifications; refusals stay in the log."""
+        """Installed and rolled-back updates become notifications; refusals stay in the log. One
+        ready to install shows as `update_ready` (the app says so, and offers the restart)."""
         if status.phase == "installed":
             self._news.notice(f"Update {status.version} installed")
-        elif status.phase == "ready":
-            self._news.notice(f"Update {status.version} is ready: restart to install it")
         elif status.phase == "rolled_back":
             self._news.notice(f"Update {status.version} was rolled back: {status.message}")
         self._news.publish()
