@@ -39,15 +39,6 @@ def _label(text: str, object_name: str = "") -> QLabel:
     return label
 
 
-def _page(heading: str, caption: str) -> tuple[QWizardPage, QVBoxLayout]:
-    page = QWizardPage()
-    layout = QVBoxLayout(page)
-    layout.setSpacing(10)
-    layout.addWidget(_label(heading, "heading"))
-    layout.addWidget(_label(caption, "muted"))
-    return page, layout
-
-
 def describe(network: Network) -> str:
     if network.is_local:
         return ("Try GPU Provider without an account: programs on this computer can use the model it "
