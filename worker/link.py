@@ -41,6 +41,7 @@ from websockets.exceptions import (
 from worker import __version__, events, protocol
 
 log = logging.getLogger(__name__)
+SIGNED_OUT = events.Problem("Signed out", "Sign in to lend your GPU to the network.", "sign_in")  # no token, or signed out
 
 WEBSOCKET_MAX_SIZE = 4 * protocol.MAX_FRAME_BYTES
 TAKEN_OVER_PAUSE_S = 300.0
@@ -226,8 +227,7 @@ class Link:
         while not self._closing:
             token = await self._read_token()
             if not token:
-                self._set_state("signed_out", events.Problem(
-                    "Signed out", "Sign in to connect this node to the network.", "sign_in"))
+                self._set_state("signed_out", SIGNED_OUT)
                 await self._pause(None)
                 continue
             ending = await self._connect_once(token)

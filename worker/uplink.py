@@ -17,7 +17,7 @@ from worker import __version__, protocol
 from worker.config import Paths
 from worker.events import ConnectionSnapshot, Problem
 from worker.hardware import Machine
-from worker.link import Backoff, Link, MessageHandler, Send
+from worker.link import SIGNED_OUT, Backoff, Link, MessageHandler, Send
 from worker.update import mark_hello_reached, mark_started
 
 if TYPE_CHECKING:
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TokenProvider = Callable[[], str | None]
-SIGNED_OUT = Problem("Signed out", "Sign in to lend your GPU to the network.", "sign_in")
 
 
 class Uplink:
