@@ -5,7 +5,8 @@ lets the load generator measure each chunk's latency from the engine to the call
 through the relay, without pairing runs. Everything else is the fake engine's own code; only its
 event encoder is swapped for one that adds the stamp with a single bytes format per token.
 
-Run: `python -m bench.stamped_engine --port 0 --tokens 256 [--token-delay 0.02]` prints its URL.
+Run: `python -m bench.stamped_engine --port 0 --tokens 256 [--token-delay 0.02] [--socket PATH]`
+prints its URL (with `--socket`, as the app runs engines on Linux and macOS: only the Host).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--cpus", default="", help="comma-separated CPUs to run on")
+    parser.add_argument("--socket", default=None, help="listen on this Unix socket instead of 127.0.0.1")
     args = parser.parse_args()
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -46,7 +48,8 @@ def main() -> None:
 
     async def serve() -> None:
         behaviour = replace(fake_engine.Behaviour(), tokens=args.tokens, token_delay_s=args.token_delay)
-        engine = await fake_engine.FakeEngine(api_key=API_KEY, behaviour=behaviour, port=args.port).start()
+        engine = await fake_engine.FakeEngine(api_key=API_KEY, behaviour=behaviour, port=args.port,
+                                              socket_path=args.socket).start()
         print(engine.base_url, flush=True)
         await asyncio.Event().wait()
 

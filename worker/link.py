@@ -11,10 +11,11 @@ connection, for a frame over it. websockets closes with 1009 on a message over i
 so its limit is set to 4 × 16 MiB and the parser refuses what lies between with `bad_message`;
 only a frame over 64 MiB (no honest coordinator sends one) costs the connection.
 
-Batching: where this connection's `welcome` lists `batch`, the first message sent in a loop
-iteration goes out at once, and those that follow it in that iteration as one `batch` frame, flushed
-as soon as nothing else is ready (and at 256 messages, 1 MiB or 1 ms): at a busy node's token rate,
-one frame per token event is the relay's limit, while a lone message must not wait for a batch.
+Sending: each connection's `outgoing.Outgoing` keeps messages in order and is its requests'
+outlet (`sender()`); `post` queues one without waiting (the relay's hot path), `send` waits until
+it is written. Where the `welcome` lists
+`batch`, what is queued in one loop iteration goes out as one `batch` frame: at a busy node's
+token rate one frame per token event is the relay's limit, while a lone message goes out at once.
 """
 
 from __future__ import annotations
@@ -39,18 +40,15 @@ from websockets.exceptions import (
 )
 
 from worker import __version__, events, protocol
+from worker.outgoing import Outgoing
 
 log = logging.getLogger(__name__)
 SIGNED_OUT = events.Problem("Signed out", "Sign in to lend your GPU to the network.", "sign_in")  # no token, or signed out
 
 WEBSOCKET_MAX_SIZE = 4 * protocol.MAX_FRAME_BYTES
 TAKEN_OVER_PAUSE_S = 300.0
-BATCH_MAX_MESSAGES = 256
-BATCH_MAX_CHARS = 1024 * 1024  # of JSON: far under the 16 MiB frame limit
-BATCH_MAX_WAIT_S = 0.001  # the protocol's bound on how long a batch may hold a message
 
 MessageHandler = Callable[[Any], Awaitable[None]]
-Send = Callable[[BaseModel], Awaitable[bool]]
 _Outcome = Literal["retry", "signed_out", "banned", "taken_over", "update_required", "closing"]
 
 
@@ -100,27 +98,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-class _Batch:
-    """Messages for one frame, gathered in one loop iteration; `sent` tells each of their senders
-    whether the frame went out."""
-
-    def __init__(self, ws: ClientConnection, opened_at: float) -> None:
-        self.ws = ws
-        self.opened_at = opened_at
-        self.frames: list[str] = []
-        self.chars = 0
-        self.closed = False
-        self.sent: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-
-    def add(self, frame: str) -> None:
-        self.frames.append(frame)
-        self.chars += len(frame)
-
-    def full(self, now: float) -> bool:
-        return (len(self.frames) >= BATCH_MAX_MESSAGES or self.chars >= BATCH_MAX_CHARS
-                or now - self.opened_at >= BATCH_MAX_WAIT_S)
 
 
 @dataclass(frozen=True)
@@ -182,15 +159,12 @@ class Link:
         self._on_disconnect = on_disconnect
         self._on_bad_message = on_bad_message
         self._ws: ClientConnection | None = None
-        self._batching = False  # this connection's welcome lists "batch"
-        self._batch: _Batch | None = None  # the one still taking messages
-        self._flushes: set[asyncio.Task[None]] = set()
+        self._out: Outgoing | None = None  # the open connection's send queue
         self._generation = 0
         self._closing = False
         self._running = False  # a `run()` loop is in progress
         self._wake = asyncio.Event()
         self._snapshot = events.ConnectionSnapshot(url, "connecting")
-        self._unwritten: set[_Batch] = set()  # closed, their frame not yet written
         self.welcome: protocol.Welcome | None = None
 
     @property
@@ -261,82 +235,20 @@ class Link:
         self._backoff.reset()
         self._wake.set()
 
-    async def send(self, message: BaseModel, *, generation: int | None = None) -> bool:
-        """Sends one message; False when not connected, or when `generation` is no longer current."""
-        ws = self._ws
-        if ws is None or (generation is not None and generation != self._generation):
-            return False
-        if self._batching:
-            return await self._send_batched(ws, protocol.encode(message))
-        return await self._send_now(ws, protocol.encode(message))
+    async def send(self, message: BaseModel) -> bool:
+        """Sends one message on the open connection and waits until it is written; False when
+        not connected."""
+        return await self.sender().send(message)
 
-    async def _send_batched(self, ws: ClientConnection, frame: str) -> bool:
-        """The first message of a loop iteration goes out at once, as it would unbatched (a lone
-        message costs nothing more); those that follow it in the same iteration join one batch,
-        flushed when nothing else is ready. Batched sends are shielded: a sender cancelled while it
-        waits must not cancel the answer its batch-mates wait for."""
-        loop = asyncio.get_running_loop()
-        batch = self._batch
-        if batch is None or batch.ws is not ws:
-            batch = self._batch = _Batch(ws, loop.time())
-            loop.call_soon(self._flush, batch)
-            if not self._unwritten:  # nothing queued ahead of it: no need to wait its turn
-                return await self._send_now(ws, frame)
-        batch.add(frame)
-        if batch.full(loop.time()):
-            self._flush(batch)
-        return await asyncio.shield(batch.sent)
+    def post(self, frame: str) -> bool:
+        """Queues one encoded message on the open connection without waiting; False when not
+        connected."""
+        return self.sender().post(frame)
 
-    @staticmethod
-    async def _send_now(ws: ClientConnection, frame: str) -> bool:
-        try:
-            await ws.send(frame)
-        except ConnectionClosed:
-            return False
-        return True
-
-    def _flush(self, batch: _Batch) -> None:
-        """Closes `batch` to new messages and sends what it holds. Batches start writing in the
-        order they were closed (websockets writes a frame before its first await), and no message
-        is sent at once while one is still unwritten, so order is kept."""
-        if batch.closed:  # a full batch, flushed before its scheduled flush came
-            return
-        batch.closed = True
-        if self._batch is batch:
-            self._batch = None
-        if not batch.frames:  # its iteration's one message went out at once
-            return
-        self._unwritten.add(batch)
-        task = asyncio.get_running_loop().create_task(self._send_batch(batch))
-        self._flushes.add(task)
-        task.add_done_callback(self._flushes.discard)
-        task.add_done_callback(lambda _task: self._unwritten.discard(batch))  # also if cancelled unstarted
-
-    async def _send_batch(self, batch: _Batch) -> None:
-        frames = batch.frames
-        frame = frames[0] if len(frames) == 1 else protocol.encode_batch(frames)
-        self._unwritten.discard(batch)  # written in the send below, before it first waits
-        try:
-            await batch.ws.send(frame)
-        except ConnectionClosed:
-            batch.sent.set_result(False)
-        except asyncio.CancelledError:
-            batch.sent.cancel()
-            raise
-        except Exception as exc:  # as an unbatched send would raise it to its caller
-            batch.sent.set_exception(exc)
-        else:
-            batch.sent.set_result(True)
-
-    def sender(self) -> Send:
-        """A `send` bound to the current connection: it answers False once that connection is gone,
-        even after a reconnect, so an answer never leaks onto a later connection."""
-        generation = self._generation
-
-        async def send(message: BaseModel) -> bool:
-            return await self.send(message, generation=generation)
-
-        return send
+    def sender(self) -> Outgoing:
+        """The open connection's outlet (`send` and `post`): it answers False once that
+        connection is gone, even after a reconnect, so an answer never leaks onto a later one."""
+        return self._out or Outgoing.nowhere()
 
     async def _connect_once(self, token: str) -> _Ending:
         self._set_state("connecting")
@@ -372,7 +284,7 @@ class Link:
         connected_at = self._clock()
         try:
             await ws.send(hello)
-            self._batching = False  # until this connection's welcome says otherwise
+            self._out = Outgoing(ws.send)  # unbatched until this connection's welcome says otherwise
             self._ws = ws
             self._set_state("connected")
             async for frame in ws:
@@ -380,7 +292,9 @@ class Link:
         except ConnectionClosed:
             pass
         finally:
-            self._ws = None
+            if self._out is not None:
+                self._out.close()
+            self._ws, self._out = None, None
             self._connection_ended()
         uptime = self._clock() - connected_at
         if self._closing:
@@ -411,7 +325,8 @@ class Link:
             return
         if isinstance(message, protocol.Welcome):
             self.welcome = message
-            self._batching = protocol.BATCH_FEATURE in message.features
+            if self._out is not None:
+                self._out.batching = protocol.BATCH_FEATURE in message.features
         try:
             await self._on_message(message)
         except Exception as exc:

@@ -105,7 +105,7 @@ class Node:
                               on_message=self._on_message, on_disconnect=self._on_disconnect,
                               on_bad_message=self._on_bad_message, on_change=self._news.publish)
         self._engine_http = engine_http_client()
-        self._relay = Relay(self._send, self._engines.ready_targets, self._gate, http=self._engine_http,
+        self._relay = Relay(self._uplink, self._engines.ready_targets, self._gate, http=self._engine_http,
                             hooks=self._metering)
         self._updater: Updater | None = None
         self._offline_retry = OfflineRetry(self._tasks.spawn, offline_backoff, clock=clock)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -455,6 +456,22 @@ def encode_batch(encoded: list[str]) -> str:
     """Messages already `encode`d → one `batch` frame, without decoding and dumping them again
     (the relay's hot path): the same JSON as `encode(Batch(messages=...))`."""
     return '{"type":"batch","messages":[' + ",".join(encoded) + "]}"
+
+
+class ChunkFrames:
+    """`response.chunk` frames of one request, encoded without building a model per chunk (the
+    relay's hot path: one per engine read): the same JSON as `encode(ResponseChunk(...))`."""
+
+    __slots__ = ("_prefix",)
+
+    def __init__(self, request_id: str) -> None:
+        self._prefix = '{"type":"response.chunk","id":' + _json_string(request_id) + ',"data":'
+
+    def encode(self, data: str) -> str:
+        return self._prefix + _json_string(data) + "}"
+
+
+_json_string: Callable[[str], str] = json.encoder.encode_basestring
 
 
 def signed_update_payload(version: str, sha256: str) -> bytes:

@@ -10,9 +10,11 @@ Which requests may reach an engine (paths, media by URL), which are generations,
 engine is sent and the reading of its answer are `worker.relay_body`'s rules. The relay decides
 once, on accepting a request, whether it is a generation; only generations reach its hooks.
 
-The relay never retries a generation. Its hot path only queues the engine's reads; a per-request
-sender task hands what has piled up to the `StreamFilter` (whole SSE events, usage read on the way)
-and sends it as one `response.chunk` frame: a busy socket means fewer, larger frames.
+The relay never retries a generation. Its hot path runs in the engine socket's read callback
+(`Response.stream_to`): each read's bytes go through the `StreamFilter` (whole SSE events, usage
+read on the way) and are queued as one `response.chunk` on the connection the request came on
+(`Outlet.post`), with no task or future per read; the link writes what a loop iteration queued
+together (one `batch` frame where the coordinator allows it).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel
 
@@ -40,7 +42,6 @@ from worker.relay_body import (
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[BaseModel], Awaitable[bool]]
 GateCode = Literal["paused", "draining", "not_ready"]
 
 DRAIN_TIMEOUT_S = 30.0
@@ -52,6 +53,16 @@ _GATE_MESSAGES: dict[str, str] = {
     "draining": "this node is finishing its current requests before it stops; send the request elsewhere",
     "not_ready": "no engine on this node is ready to serve yet; send the request elsewhere",
 }
+
+
+class Outlet(Protocol):
+    """Where a request's answer goes: the connection it came on (`outgoing.Outgoing`)."""
+
+    async def send(self, message: BaseModel) -> bool:
+        """Writes `message` after everything queued before it; False once the connection is gone."""
+
+    def post(self, frame: str) -> bool:
+        """Queues an encoded message without waiting, in order; False once the connection is gone."""
 
 
 @dataclass(frozen=True)
@@ -103,68 +114,53 @@ class _CoordinatorGone(Exception):
     """The connection the request came on is closed: stop, and send nothing more."""
 
 
-class _Outbox:
-    """One response's bytes on their way to the socket.
+class _Stream:
+    """One streamed answer on its way: called with each engine read's bytes, from the socket's
+    read callback, it reports the first token and progress and queues the filtered text as one
+    `response.chunk`. Raises `_CoordinatorGone` (which ends the engine request) once the
+    connection the request came on is gone."""
 
-    The engine's reads are only queued on the hot path; a separate task sends. Whatever piles up
-    while it waits for the socket is filtered, decoded and sent as one frame, in order, so a busy
-    socket means fewer, larger frames and the per-byte work is done in bulk.
-    """
+    __slots__ = ("_clock", "_events", "_filter", "_frames", "_hooks", "_post", "_report_at", "_request_id")
 
-    def __init__(self, request_id: str, send: Send, filter_: StreamFilter) -> None:
-        self._request_id = request_id
-        self._send = send
+    def __init__(self, job: _Job, filter_: StreamFilter, clock: Callable[[], float]) -> None:
+        self._request_id = job.request.id
+        self._frames = protocol.ChunkFrames(job.request.id)
+        self._post = job.outlet.post
+        self._hooks = job.hooks
         self._filter = filter_
-        self._parts: list[bytes] = []
-        self._wake = asyncio.Event()
-        self._closing = False
-        self.gone = False
-        self._task = asyncio.create_task(self._run(), name=f"relay-outbox-{request_id}")
+        self._clock = clock
+        self._events = 0
+        self._report_at: float | None = None  # None until the first read, which is the first token
 
-    def put(self, data: bytes) -> None:
-        self._parts.append(data)
-        self._wake.set()
+    def take(self, raw: bytes) -> None:
+        now = self._clock()
+        if self._report_at is None:
+            self._hooks.on_first_token(self._request_id, now)
+            self._report_at = now + PROGRESS_EVERY_S
+        self._events += raw.count(b"\n\n")  # SSE events end in a blank line
+        if now >= self._report_at and self._events:
+            self._hooks.on_progress(self._request_id, self._events, now)
+            self._report_at = now + PROGRESS_EVERY_S
+        self._queue(self._filter.feed(raw))
 
-    async def close(self) -> bool:
-        """Sends what is left; False when the coordinator is gone."""
-        self._closing = True
-        self._wake.set()
-        await self._task
-        return not self.gone
+    def finish(self) -> None:
+        """Queues what the filter still held (an event the engine left unfinished)."""
+        self._queue(self._filter.finish())
 
-    def abort(self) -> None:
-        self._task.cancel()
-
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._parts:
-                data = b"".join(self._parts)
-                self._parts.clear()
-                if not await self._deliver(self._filter.feed(data)):
-                    return
-            if self._closing and not self._parts:
-                await self._deliver(self._filter.finish())
-                return
-
-    async def _deliver(self, text: str) -> bool:
+    def _queue(self, text: str) -> None:
         for start in range(0, len(text), _FRAME_CHARS):
-            piece = protocol.ResponseChunk(id=self._request_id, data=text[start : start + _FRAME_CHARS])
-            if not await self._send(piece):
-                self.gone = True
-                return False
-        return True
+            if not self._post(self._frames.encode(text[start : start + _FRAME_CHARS])):
+                raise _CoordinatorGone
 
 
 class _Job:
     """One accepted request, from its arrival to its terminal message."""
 
-    __slots__ = ("hooks", "request", "send", "silent", "stop", "target", "task")
+    __slots__ = ("hooks", "outlet", "request", "silent", "stop", "target", "task")
 
-    def __init__(self, request: protocol.Request, send: Send, target: EngineTarget, hooks: RelayHooks) -> None:
+    def __init__(self, request: protocol.Request, outlet: Outlet, target: EngineTarget, hooks: RelayHooks) -> None:
         self.request = request
-        self.send = send
+        self.outlet = outlet
         self.target = target
         self.hooks = hooks  # the relay's for a generation, else none
         self.task: asyncio.Task[None] | None = None
@@ -177,7 +173,7 @@ class Relay:
 
     def __init__(
         self,
-        send: Send,
+        outlet: Outlet,
         ready_targets: Callable[[], Sequence[EngineTarget]],
         gate: Callable[[], GateCode | None],
         *,
@@ -185,7 +181,7 @@ class Relay:
         hooks: RelayHooks | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._send = send
+        self._outlet = outlet
         self._ready_targets = ready_targets
         self._gate = gate
         self._http = http
@@ -207,20 +203,20 @@ class Relay:
     def in_flight_by_engine(self) -> dict[str, int]:
         return {engine: n for engine, n in self._by_engine.items() if n}
 
-    def handle(self, request: protocol.Request, send: Send | None = None) -> asyncio.Task[None]:
-        """Starts serving `request`; `send` (default: the relay's) should be bound to the
+    def handle(self, request: protocol.Request, outlet: Outlet | None = None) -> asyncio.Task[None]:
+        """Starts serving `request`; `outlet` (default: the relay's) should be bound to the
         connection the request came on, so that its answer never leaks onto a later one."""
-        send = send or self._send
+        outlet = outlet or self._outlet
         refusal = self._refusal(request)
         if refusal is not None:
-            return self._reply(send, refusal)
+            return self._reply(outlet, refusal)
         if request.id in self._jobs:
-            return self._reply(send, protocol.Error(
+            return self._reply(outlet, protocol.Error(
                 code="duplicate_request", message=f"request {request.id!r} is already in flight", ref=request.id
             ))
         target = min(self._ready_targets(), key=lambda t: self._by_engine.get(t.engine_id, 0))
         hooks = self._hooks if is_generation(request.method, request.path) else _NO_HOOKS
-        job = _Job(request, send, target, hooks)
+        job = _Job(request, outlet, target, hooks)
         self._jobs[request.id] = job
         self._by_engine[target.engine_id] = self._by_engine.get(target.engine_id, 0) + 1
         job.task = asyncio.create_task(self._serve(job), name=f"relay-{request.id}")
@@ -235,13 +231,13 @@ class Relay:
         self._forget(job)
         self._report_end(job, None, False)
         if job.stop is not None and not job.silent:
-            self._reply(job.send, job.stop)
+            self._reply(job.outlet, job.stop)
 
-    def _reply(self, send: Send, message: BaseModel) -> asyncio.Task[None]:
+    def _reply(self, outlet: Outlet, message: BaseModel) -> asyncio.Task[None]:
         """Sends a one-frame answer in its own task, held until it is done."""
 
         async def reply() -> None:
-            await send(message)
+            await outlet.send(message)
 
         task = asyncio.create_task(reply())
         self._replies.add(task)
@@ -340,7 +336,7 @@ class Relay:
             self._forget(job)
             self._report_end(job, usage, ok)
         if terminal is not None and not job.silent:
-            await job.send(terminal)
+            await job.outlet.send(terminal)
 
     async def _exchange(self, job: _Job) -> tuple[protocol.Usage | None, int]:
         request, target = job.request, job.target
@@ -370,31 +366,13 @@ class Relay:
                 await response.aclose()
 
     async def _pump(self, job: _Job, response: Response, filter_: StreamFilter) -> None:
-        request_id = job.request.id
-        outbox = _Outbox(request_id, job.send, filter_)
-        put, hooks, clock = outbox.put, job.hooks, self._clock
-        events, report_at = 0, None  # None until the first read, which is the first token
+        stream = _Stream(job, filter_, self._clock)
         try:
-            async for raw in response.aiter_raw():
-                now = clock()
-                if report_at is None:
-                    hooks.on_first_token(request_id, now)
-                    report_at = now + PROGRESS_EVERY_S
-                events += raw.count(b"\n\n")  # SSE events end in a blank line
-                if now >= report_at and events:
-                    hooks.on_progress(request_id, events, now)
-                    report_at = now + PROGRESS_EVERY_S
-                put(raw)
-                if outbox.gone:
-                    raise _CoordinatorGone
-            delivered = await outbox.close()
+            await response.stream_to(stream.take)
         except LoopbackHTTPError:
-            await outbox.close()  # what the engine did send still goes out, before the 502
+            stream.finish()  # what the engine did send still goes out, before the 502
             raise
-        finally:
-            outbox.abort()
-        if not delivered:
-            raise _CoordinatorGone
+        stream.finish()
 
     async def _send_whole(self, job: _Job, body: bytes, filter_: StreamFilter) -> None:
         if body:
@@ -417,7 +395,7 @@ class Relay:
 
 
 async def _deliver(job: _Job, message: BaseModel) -> None:
-    if not await job.send(message):
+    if not await job.outlet.send(message):
         raise _CoordinatorGone
 
 

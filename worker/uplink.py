@@ -17,7 +17,8 @@ from worker import __version__, protocol
 from worker.config import Paths
 from worker.events import ConnectionSnapshot, Problem
 from worker.hardware import Machine
-from worker.link import SIGNED_OUT, Backoff, Link, MessageHandler, Send
+from worker.link import SIGNED_OUT, Backoff, Link, MessageHandler
+from worker.outgoing import Outgoing
 from worker.update import mark_hello_reached, mark_started
 
 if TYPE_CHECKING:
@@ -115,7 +116,10 @@ class Uplink:
     async def send(self, message: BaseModel) -> bool:
         return bool(self._link and await self._link.send(message))
 
-    def sender(self) -> Send:
+    def post(self, frame: str) -> bool:
+        return bool(self._link and self._link.post(frame))
+
+    def sender(self) -> Outgoing:
         """A send bound to the connection now open (a request's answer never leaks onto a later one)."""
         assert self._link is not None, "no requests come without a link"
         return self._link.sender()

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from pydantic import BaseModel
 
 from tests.support.engines import engine_client, free_port
+from tests.support.wire import Wire
 from worker import protocol
 from worker.config import Paths
 from worker.events import EngineSnapshot
@@ -319,18 +319,15 @@ async def test_engine_listens_on_a_private_socket_with_its_key_off_the_command_l
 async def test_a_relayed_completion_reaches_the_engine_through_its_socket(vllm_standin: Path, tmp_path: Path) -> None:
     sup = supervisor(standin_plan(vllm_standin), tmp_path)
     await sup.start()
-    frames: list[BaseModel] = []
-
-    async def send(message: BaseModel) -> bool:
-        frames.append(message)
-        return True
+    wire = Wire()
+    frames = wire.frames
 
     try:
         await sup.wait_for_state("ready", timeout=10)
         target = sup.target()
         assert target is not None
         async with engine_http_client() as http:
-            relay = Relay(send, lambda: [target], lambda: None, http=http)
+            relay = Relay(wire, lambda: [target], lambda: None, http=http)
             body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
             await relay.handle(protocol.Request(id="r-1", method="POST", path="/v1/chat/completions", body=body))
     finally:
@@ -381,18 +378,15 @@ async def test_a_long_quiet_generation_on_a_healthy_engine_runs_to_its_end(
     slow = standin_plan(vllm_standin, env={"STANDIN_TOKEN_DELAY_S": "0.6"})
     sup = supervisor(slow, tmp_path, timing=dataclasses.replace(FAST, probe_timeout_s=5.0))
     await sup.start()
-    frames: list[BaseModel] = []
-
-    async def send(message: BaseModel) -> bool:
-        frames.append(message)
-        return True
+    wire = Wire()
+    frames = wire.frames
 
     try:
         await sup.wait_for_state("ready", timeout=10)
         pid, target = sup.snapshot().pid, sup.target()
         assert target is not None
         async with engine_http_client() as http:
-            relay = Relay(send, lambda: [target], lambda: None, http=http, hooks=EngineHooks(sup))
+            relay = Relay(wire, lambda: [target], lambda: None, http=http, hooks=EngineHooks(sup))
             body = {"model": "qwen3-8b", "prompt": "hi", "max_tokens": 2, "stream": stream}
             await relay.handle(protocol.Request(id="r-1", method="POST", path="/v1/completions", body=body))
         snap = sup.snapshot()

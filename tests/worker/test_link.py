@@ -217,13 +217,14 @@ async def test_coordinator_restart_means_reconnect_and_a_new_generation(coordina
     link, node = running(coordinator.url)
     await coordinator.wait_for_connections(1)
     stale = link.sender()
-    assert await stale(protocol.Error(code="x"))
+    assert await stale.send(protocol.Error(code="x"))
     await coordinator.restart()
     await coordinator.wait_for_connections(2)
     await node.wait_state("connected")
     assert link.generation == 2
-    assert await stale(protocol.Error(code="x")) is False
-    assert await link.sender()(protocol.Error(code="y"))
+    assert await stale.send(protocol.Error(code="x")) is False
+    assert stale.post(protocol.encode(protocol.Error(code="x"))) is False  # never onto the next connection
+    assert await link.sender().send(protocol.Error(code="y"))
     assert offline_seen(node)
 
 
@@ -366,7 +367,7 @@ def _chunks(count: int, request_id: str = "r-1") -> list[protocol.ResponseChunk]
 
 async def test_the_first_message_of_an_iteration_goes_at_once_and_the_rest_as_one_batch_in_order(
         coordinator, running, monkeypatch) -> None:
-    monkeypatch.setattr("worker.link.BATCH_MAX_WAIT_S", 60.0)  # a loaded test machine must not split it
+    monkeypatch.setattr("worker.outgoing.BATCH_MAX_WAIT_S", 60.0)  # a loaded test machine must not split it
     link = await _connected(coordinator, running)
     assert link.welcome is not None and link.welcome.features == ["batch"]
     after = len(coordinator.received)
@@ -378,7 +379,7 @@ async def test_the_first_message_of_an_iteration_goes_at_once_and_the_rest_as_on
 
 
 async def test_a_full_batch_is_flushed_and_the_rest_follows_in_order(coordinator, running, monkeypatch) -> None:
-    monkeypatch.setattr("worker.link.BATCH_MAX_WAIT_S", 60.0)  # only the count cap splits it
+    monkeypatch.setattr("worker.outgoing.BATCH_MAX_WAIT_S", 60.0)  # only the count cap splits it
     link = await _connected(coordinator, running)
     after = len(coordinator.received)
     messages = _chunks(300)
@@ -447,8 +448,8 @@ async def test_send_is_false_once_the_connection_dropped_batched_or_not(running,
         send = link.sender()
         coordinator.drop_node()
         await coordinator.wait_for_connections(2)
-        assert await asyncio.gather(*(send(m) for m in _chunks(3))) == [False] * 3  # never onto the next one
-        assert await asyncio.gather(*(link.sender()(m) for m in _chunks(3))) == [True] * 3
+        assert await asyncio.gather(*(send.send(m) for m in _chunks(3))) == [False] * 3  # never onto the next one
+        assert await asyncio.gather(*(link.sender().send(m) for m in _chunks(3))) == [True] * 3
 
 
 async def test_a_batch_whose_socket_dies_before_its_flush_answers_false(coordinator, running) -> None:

@@ -12,6 +12,8 @@ import pytest
 from tests.support.fake_engine import Behaviour, FakeEngine
 from worker.loopback_http import (
     IDLE_LIMIT_S,
+    KEEP_LIMIT,
+    READ_SIZE,
     LoopbackClient,
     LoopbackHTTPError,
     decode_chunks,
@@ -310,3 +312,71 @@ async def test_nothing_at_the_socket_raises_the_one_error(tmp_path, client) -> N
 def test_a_socket_request_still_names_a_loopback_host(tmp_path, client) -> None:
     with pytest.raises(ValueError, match="only talks to http://127.0.0.1"):
         client.build_request("GET", "http://192.168.1.1/v1/models", socket_path=str(tmp_path / "e0.sock"))
+
+
+# --- stream_to: the body handed on from the socket's read callback (the relay's hot path) -------
+
+
+async def test_stream_to_hands_on_the_body_read_by_read_as_httpx_reads_it(engine, client) -> None:
+    engine.behaviour = Behaviour(tokens=8, token_delay_s=0.005)
+    parts: list[bytes] = []
+    response = await chat(engine, client)
+    await response.stream_to(parts.append)
+    await response.aclose()
+    assert b"".join(parts) == await read_with_httpx(engine)
+    assert len(parts) >= 8  # token by token, as the reads came
+
+
+async def test_stream_to_after_the_body_arrived_hands_on_what_was_kept() -> None:
+    body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    reply = Reply(OK_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + body)
+    async with ScriptedServer(lambda n: reply) as server, LoopbackClient() as client:
+        response = await client.send(client.build_request("GET", server.url + "/v1/models"))
+        await asyncio.sleep(0.05)  # the whole body is read, and kept
+        parts: list[bytes] = []
+        await response.stream_to(parts.append)
+        await response.aclose()
+        assert b"".join(parts) == b"hello world"
+        assert (await client.post(server.url + "/v1/x")).status_code == 200
+    assert server.accepted == 1
+
+
+async def test_a_sink_that_raises_ends_the_answer_with_its_error_and_the_engine_stops(engine, client) -> None:
+    engine.behaviour = Behaviour(tokens=500, token_delay_s=0.01)
+
+    class Gone(Exception):
+        pass
+
+    def sink(data: bytes) -> None:
+        raise Gone
+
+    response = await chat(engine, client)
+    with pytest.raises(Gone):
+        await response.stream_to(sink)
+    await response.aclose()
+    await asyncio.wait_for(engine.records[0].finished.wait(), 2)
+    assert engine.records[0].disconnected and engine.records[0].tokens_sent < 500
+
+
+async def test_a_body_cut_short_fails_stream_to_with_the_one_error() -> None:
+    cut = Reply(OK_HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n10\r\nabc", then_close=True)
+    async with ScriptedServer(lambda n: cut) as server, LoopbackClient() as client:
+        response = await client.send(client.build_request("GET", server.url + "/v1/models"))
+        parts: list[bytes] = []
+        with pytest.raises(LoopbackHTTPError, match="broke off"):
+            await response.stream_to(parts.append)
+        assert b"".join(parts) == b"hello"  # what did arrive was handed on first
+
+
+async def test_a_slow_reader_holds_a_bounded_backlog_and_loses_nothing() -> None:
+    body = bytes(range(256)) * (6 * 4096)  # 6 MiB
+    async with ScriptedServer(lambda n: sized(body)) as server, LoopbackClient() as client:
+        response = await client.send(client.build_request("GET", server.url + "/v1/models"))
+        received, most_kept = bytearray(), 0
+        async for part in response.aiter_raw():
+            received += part
+            await asyncio.sleep(0.01)  # a reader slower than loopback
+            most_kept = max(most_kept, response._answer._kept)  # body bytes held, not yet taken
+        await response.aclose()
+    assert bytes(received) == body
+    assert most_kept <= KEEP_LIMIT + READ_SIZE  # reading paused instead of holding the whole body

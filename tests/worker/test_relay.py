@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.support.fake_engine import Behaviour, FakeEngine
+from tests.support.wire import TERMINAL, Wire
 from worker import protocol
 from worker.link import Link
 from worker.localnet import ReferenceCoordinator
@@ -19,30 +20,6 @@ from worker.relay import PROGRESS_EVERY_S, EngineTarget, Relay, RelayHooks, engi
 from worker.relay_body import MAX_BODY_DEPTH, StreamFilter, media_by_url
 
 CHAT = "/v1/chat/completions"
-TERMINAL = (protocol.ResponseEnd, protocol.ResponseError)
-
-
-class Wire:
-    """The coordinator side of `send`: records frames; `open = False` plays a dropped socket."""
-
-    def __init__(self) -> None:
-        self.frames: list[Any] = []
-        self.open = True
-
-    async def send(self, message: Any) -> bool:
-        if not self.open:
-            return False
-        self.frames.append(message)
-        return True
-
-    def of(self, request_id: str) -> list[Any]:
-        return [f for f in self.frames if getattr(f, "id", None) == request_id or getattr(f, "ref", None) == request_id]
-
-    def terminals(self, request_id: str) -> list[Any]:
-        return [f for f in self.of(request_id) if isinstance(f, TERMINAL)]
-
-    def data(self, request_id: str) -> str:
-        return "".join(f.data for f in self.of(request_id) if isinstance(f, protocol.ResponseChunk))
 
 
 class Recorder(RelayHooks):
@@ -83,7 +60,7 @@ def target_of(engine: FakeEngine, engine_id: str = "e0") -> EngineTarget:
 def make_relay(wire: Wire, http: httpx.AsyncClient, *engines: FakeEngine, gate: Any = None,
                hooks: RelayHooks | None = None) -> Relay:
     targets = [target_of(e, f"e{i}") for i, e in enumerate(engines)]
-    return Relay(wire.send, lambda: targets, gate or (lambda: None), http=http, hooks=hooks)
+    return Relay(wire, lambda: targets, gate or (lambda: None), http=http, hooks=hooks)
 
 
 def request(request_id: str = "r-1", *, stream: bool = True, path: str = CHAT, method: str = "POST",
@@ -261,7 +238,7 @@ async def test_engine_not_listening_is_502(engine, http) -> None:
     target = target_of(engine)
     await engine.stop()
     wire = Wire()
-    relay = Relay(wire.send, lambda: [target], lambda: None, http=http)
+    relay = Relay(wire, lambda: [target], lambda: None, http=http)
     await relay.handle(request())
     assert [(f.status, f.code) for f in wire.of("r-1")] == [(502, "engine_failed")]
 
@@ -297,9 +274,9 @@ async def test_a_closed_connection_stops_the_request_without_a_terminal(engine, 
     assert wire.terminals("r-1") == []
 
 
-async def test_answer_goes_to_the_send_it_arrived_with(engine, http) -> None:
+async def test_answer_goes_to_the_outlet_it_arrived_with(engine, http) -> None:
     default, bound = Wire(), Wire()
-    await make_relay(default, http, engine).handle(request(), bound.send)
+    await make_relay(default, http, engine).handle(request(), bound)
     assert default.frames == []
     assert isinstance(bound.terminals("r-1")[0], protocol.ResponseEnd)
 
@@ -360,7 +337,7 @@ async def test_a_long_stream_reports_its_progress_about_once_a_second(engine, ht
     engine.behaviour = Behaviour(tokens=20, token_delay_s=0.005)
     ticks = iter(range(1000))
     hooks = ProgressRecorder()
-    relay = Relay(Wire().send, lambda: [target_of(engine)], lambda: None, http=http, hooks=hooks,
+    relay = Relay(Wire(), lambda: [target_of(engine)], lambda: None, http=http, hooks=hooks,
                   clock=lambda: next(ticks) * 0.4)  # each read 0.4 s after the one before
     await relay.handle(request())
     progress = [call for call in hooks.calls if call[0] == "progress"]
@@ -570,7 +547,7 @@ async def test_streams_through_a_batching_link_arrive_byte_for_byte_in_order_wit
                 relay.handle(message, link.sender())
 
         link = Link(coordinator.url, lambda: "t", lambda: hello, on_message)
-        relay = Relay(link.send, lambda: [target_of(engine)], lambda: None, http=http)
+        relay = Relay(link, lambda: [target_of(engine)], lambda: None, http=http)
         running = asyncio.create_task(link.run())
         try:
             await coordinator.wait_for_connections(1)

@@ -1,0 +1,39 @@
+"""A relay `Outlet` that records its frames, for tests that need no websocket."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker import protocol
+
+TERMINAL = (protocol.ResponseEnd, protocol.ResponseError)
+
+
+class Wire:
+    """The coordinator side of a relay's `Outlet`: records what is posted and sent, in order;
+    `open = False` plays a dropped socket."""
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+        self.open = True
+
+    def post(self, frame: str) -> bool:
+        if not self.open:
+            return False
+        self.frames.append(protocol.parse_from_node(frame))
+        return True
+
+    async def send(self, message: Any) -> bool:
+        if not self.open:
+            return False
+        self.frames.append(message)
+        return True
+
+    def of(self, request_id: str) -> list[Any]:
+        return [f for f in self.frames if getattr(f, "id", None) == request_id or getattr(f, "ref", None) == request_id]
+
+    def terminals(self, request_id: str) -> list[Any]:
+        return [f for f in self.of(request_id) if isinstance(f, TERMINAL)]
+
+    def data(self, request_id: str) -> str:
+        return "".join(f.data for f in self.of(request_id) if isinstance(f, protocol.ResponseChunk))
