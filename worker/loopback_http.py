@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json as jsonlib
 import re
+import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -29,6 +30,8 @@ from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 CONNECT_TIMEOUT_S = 5.0
+UNIX_BACKLOG_RETRY_S = 0.001  # first wait when an engine's Unix socket has its backlog full; doubles
+UNIX_BACKLOG_RETRY_MAX_S = 0.05
 MAX_IDLE_PER_ENGINE = 256  # the relay's busiest engines serve a few hundred streams at once
 # vLLM (uvicorn) and llama-server both close a keep-alive connection after 5 s idle; one idle
 # this long is closed here instead, so a request is never written onto a connection the engine
@@ -511,7 +514,8 @@ class LoopbackClient:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 if isinstance(address, str):
-                    _, connection = await loop.create_unix_connection(lambda: _Connection(buffer), address)
+                    _, connection = await loop.create_unix_connection(lambda: _Connection(buffer),
+                                                                      sock=await _unix_socket_to(address))
                 else:
                     _, connection = await loop.create_connection(lambda: _Connection(buffer), *address)
         except TimeoutError as exc:
@@ -521,6 +525,30 @@ class LoopbackClient:
         except OSError as exc:
             raise _engine_error(f"could not connect to the engine at {where}", exc) from exc
         return connection
+
+
+async def _unix_socket_to(path: str) -> socket.socket:
+    """A socket connected to `path`, waiting while the engine's listen backlog is full.
+
+    On Linux a Unix-socket connect does not queue as TCP's does: with the backlog full (llama-server's
+    HTTP library listens with a small one: 5 in older cpp-httplib, 4 per core in newer) it fails at
+    once with EAGAIN, and asyncio, taking that for a connect in progress, hands back a socket that
+    is not connected (EINVAL or ENOTCONN on first use): a burst of requests got 502s. A full
+    backlog is retried shortly instead (the caller's connect timeout bounds the wait)."""
+    delay = UNIX_BACKLOG_RETRY_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(path)
+            return sock
+        except BlockingIOError:
+            sock.close()
+        except BaseException:
+            sock.close()
+            raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, UNIX_BACKLOG_RETRY_MAX_S)
 
 
 def _parse_head(head: bytes) -> tuple[int, Headers, bool]:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Self
@@ -380,3 +381,29 @@ async def test_a_slow_reader_holds_a_bounded_backlog_and_loses_nothing() -> None
         await response.aclose()
     assert bytes(received) == body
     assert most_kept <= KEEP_LIMIT + READ_SIZE  # reading paused instead of holding the whole body
+
+
+async def test_a_full_unix_socket_backlog_is_waited_out_not_failed(tmp_path) -> None:
+    path = str(tmp_path / "busy.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)  # a burst beyond this gets EAGAIN on Linux, not a queue
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def answer_one() -> None:
+        connection, _ = await loop.sock_accept(listener)
+        await loop.sock_recv(connection, 65536)
+        await loop.sock_sendall(connection, OK_HEAD + b"Connection: close\r\nContent-Length: 2\r\n\r\nok")
+        connection.close()
+
+    try:
+        async with LoopbackClient() as client:
+            requests = [asyncio.create_task(client.post("http://localhost/v1/x", socket_path=path)) for _ in range(4)]
+            await asyncio.sleep(0.1)
+            assert not any(r.done() for r in requests)  # waiting their turn, none failed
+            for _ in requests:
+                await answer_one()
+            assert [r.text for r in await asyncio.gather(*requests)] == ["ok"] * 4
+    finally:
+        listener.close()
