@@ -1,6 +1,6 @@
 """Run the benchmarks, print one table of figures beside their targets, and save it as JSON.
 
-`python -m bench [--quick] [--only relay,detect,node,gui] [--batch] [--profile] [--no-scenarios]`
+`python -m bench [--quick] [--only relay,detect,node,gui] [--no-batch] [--profile] [--no-scenarios]`
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="latency runs: each stream's decode rate (26: the field notes' H200 per request)")
     parser.add_argument("--no-scenarios", action="store_true",
                         help="skip the field loads (the H200's 128 streams, an 8-GPU node's 1,024) in the relay section")
-    parser.add_argument("--batch", action="store_true",
-                        help="the coordinator offers `batch`: the node packs messages into shared frames")
+    parser.add_argument("--no-batch", action="store_true",
+                        help="the coordinator does not offer `batch`: one frame per message (default: offered, "
+                        "as the reference coordinator does)")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(SECTIONS)
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     profiles: list[Path] = []
     if "relay" in only:
         profile = RESULTS.parent / "relay.prof" if args.profile else None
-        changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile, "batch": args.batch,
+        changes = {"levels": tuple(int(c) for c in args.levels.split(",")), "profile": profile, "batch": not args.no_batch,
                    "paced_delay_s": 1.0 / args.pace, **({"scenarios": ()} if args.no_scenarios else {})}
         settings = relay.RelaySettings.quick(**changes) if args.quick else relay.RelaySettings(**changes)
         found, details["relay"] = asyncio.run(relay.measure(settings))

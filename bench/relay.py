@@ -84,7 +84,7 @@ class RelaySettings:
     paced_delay_s: float = 0.02
     ramp_s: float = 1.0  # latency runs: stream starts spread over this, as requests arrive in service
     profile: Path | None = None
-    batch: bool = False  # the coordinator's welcome lists "batch" (`--batch`); off: one frame per message
+    batch: bool = True  # the coordinator's welcome lists "batch", as the reference one's does; off (`--no-batch`): one frame per message
     scenarios: tuple[Scenario, ...] = SCENARIOS
     scenario_s: float = 10.0  # how long each stream of a scenario decodes
     scenario_ramp_s: float = 2.0

@@ -16,6 +16,12 @@ from worker import protocol
 from worker.outgoing import BATCH_MAX_MESSAGES, Outgoing
 
 
+@pytest.fixture(autouse=True)
+def no_age_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded test machine must not split a batch by its 1 ms age (`test_link` tests the age)."""
+    monkeypatch.setattr("worker.outgoing.BATCH_MAX_WAIT_S", 60.0)
+
+
 class Socket:
     """Frames as written, in order; `held` plays a full buffer, `closed` a dropped connection."""
 
