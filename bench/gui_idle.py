@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 
 from bench.node import TOKEN, _assignment, _environment, _prepare
-from bench.report import Figure, at_most, not_measured
+from bench.report import Figure, at_most, cpu_percent, not_measured
 from tests.support.desktop import Desktop, missing_packages, real_desktop
 from tests.support.engines import VLLM_STANDIN
 from tests.support.processes import terminate
@@ -98,7 +98,7 @@ async def _window(pid: int, the_desktop: Desktop, window_s: float) -> Reading:
     await asyncio.sleep(window_s)
     app_cpu = sum(app.cpu_times()[:2]) - app_before
     server_cpu = sum(server.cpu_times()[:2]) - server_before
-    return Reading(100.0 * app_cpu / window_s, 100.0 * server_cpu / window_s, app.memory_info().rss / 2**20,
+    return Reading(cpu_percent(app_cpu, window_s), cpu_percent(server_cpu, window_s), app.memory_info().rss / 2**20,
                    shown, window_s)
 
 

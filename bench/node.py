@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.report import Figure, at_most, not_measured
+from bench.report import Figure, at_most, cpu_percent, not_measured
 from tests.support.engines import VLLM_STANDIN
 from tests.support.processes import terminate
 from tests.worker.hardware.recorded import replay
@@ -122,7 +122,7 @@ async def _read_node(argv: list[str], env: dict[str, str], coordinator: Referenc
         await asyncio.sleep(window_s)
         after = node.cpu_times()
         cpu_s = (after.user - before.user) + (after.system - before.system)
-        return Reading(ready_s, 100.0 * cpu_s / window_s, node.memory_info().rss / 2**20, window_s)
+        return Reading(ready_s, cpu_percent(cpu_s, window_s), node.memory_info().rss / 2**20, window_s)
     finally:
         await terminate(process, 40)
 

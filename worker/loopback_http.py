@@ -235,7 +235,8 @@ class _Answer:
                 raise ValueError(f"a negative Content-Length ({length})")
         else:
             self._framing, self.reusable = "until_closed", False
-        self.head.set_result((status, headers))
+        if not self.head.done():  # else the request was given up on (a deadline) as the head came
+            self.head.set_result((status, headers))
         if self._framing == "sized" and not self._remaining:
             self._finish()
         return held[end + 4 :]
@@ -402,12 +403,23 @@ class Response:
         raised (which also ends the answer and resets the connection)."""
         return self._answer.stream_to(sink)
 
+    def pause_reading(self) -> None:
+        """Stops reading the body until `resume_reading` (the reader's own backlog is full)."""
+        if not self._closed:
+            self._connection.pause(True)
+
+    def resume_reading(self) -> None:
+        """Reads on; after `aclose` it does nothing (the connection may serve another answer)."""
+        if not self._closed:
+            self._connection.pause(False)
+
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
         if self._answer.complete and self._answer.reusable:
             self._connection.release()
+            self._connection.pause(False)  # its next answer is read whatever this one's reader did
             self._pool.give_back(self._connection)
         else:
             self._connection.abort()

@@ -38,6 +38,7 @@ from worker.ledger import Books
 from worker.link import Backoff
 from worker.loop_tasks import LoopTasks
 from worker.metering import Metering
+from worker.outgoing import Outgoing
 from worker.node_view import Pause, build_hello, build_snapshot, build_status, chart_points, node_state
 from worker.plan import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
 from worker.procs import reap_leftovers
@@ -105,7 +106,8 @@ class Node:
                               on_message=self._on_message, on_disconnect=self._on_disconnect,
                               on_bad_message=self._on_bad_message, on_change=self._news.publish)
         self._engine_http = engine_http_client()
-        self._relay = Relay(self._uplink, self._engines.ready_targets, self._gate, http=self._engine_http,
+        # No default outlet: each request is handed the connection it came on (`_on_message`).
+        self._relay = Relay(Outgoing.nowhere(), self._engines.ready_targets, self._gate, http=self._engine_http,
                             hooks=self._metering)
         self._updater: Updater | None = None
         self._offline_retry = OfflineRetry(self._tasks.spawn, offline_backoff, clock=clock)

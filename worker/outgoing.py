@@ -11,6 +11,12 @@ task early in the next: as one `batch` frame where the connection's welcome list
 batch takes at most `BATCH_MAX_MESSAGES` messages, `BATCH_MAX_CHARS` of JSON, or messages for
 `BATCH_MAX_WAIT_S`), else as one frame per message.
 
+Backpressure: while more than `HIGH_WATER_CHARS` of JSON waits (the coordinator reads slower
+than the engines stream, as on a slow upload), `congested` is True; the relay then stops reading
+the engine streams that keep filling it, and `when_drained` resumes them once the queue is down to
+`LOW_WATER_CHARS`. Memory stays bounded and the engines feel the wait, instead of the queue growing
+without end.
+
 Order: websockets writes a frame to the socket before its `send` first waits, and the one writer
 task writes batches oldest first, finishing each before the next; a `send` goes out at once
 only when nothing is queued (a batch being written stays queued until its last frame is out).
@@ -35,6 +41,8 @@ log = logging.getLogger(__name__)
 BATCH_MAX_MESSAGES = 256
 BATCH_MAX_CHARS = 1024 * 1024  # of JSON: far under the 16 MiB frame limit
 BATCH_MAX_WAIT_S = 0.001  # the protocol's bound on how long a batch may hold a message
+HIGH_WATER_CHARS = 4 * 1024 * 1024  # queued and unwritten: about half a second of an 8-GPU node's stream
+LOW_WATER_CHARS = 1024 * 1024
 
 Write = Callable[[str], Awaitable[None]]
 
@@ -68,6 +76,9 @@ class Outgoing:
         self._queue: deque[_Batch] = deque()
         self._writer: asyncio.Task[None] | None = None
         self.closed = closed  # the connection is gone: nothing more is written
+        self._queued_chars = 0
+        self.congested = False  # more than HIGH_WATER_CHARS queued: stop adding, see `when_drained`
+        self._drained: list[Callable[[], None]] = []
 
     @classmethod
     def nowhere(cls) -> Outgoing:
@@ -86,7 +97,18 @@ class Outgoing:
         queue = self._queue
         batch = queue[-1] if queue and queue[-1].open else self._open_batch()
         batch.add(frame)
+        self._queued_chars += len(frame)
+        if self._queued_chars > HIGH_WATER_CHARS:
+            self.congested = True
         return True
+
+    def when_drained(self, callback: Callable[[], None]) -> None:
+        """Calls `callback` once the queue is back under `LOW_WATER_CHARS` (or the connection
+        ended); at once if it is not congested."""
+        if self.congested:
+            self._drained.append(callback)
+        else:
+            callback()
 
     async def send(self, message: BaseModel) -> bool:
         """Writes `message` after everything queued before it; False once the connection is gone.
@@ -99,6 +121,7 @@ class Outgoing:
             return await self._write_now(frame)
         batch = self._queue[-1] if self._queue[-1].open else self._open_batch()
         batch.add(frame)
+        self._queued_chars += len(frame)
         return await asyncio.shield(batch.sent)
 
     def close(self) -> None:
@@ -110,6 +133,20 @@ class Outgoing:
                 sent.set_result(False)
         if self._writer is not None:
             self._writer.cancel()
+        self._queued_chars = 0
+        self._relieve()  # whoever waits finds the connection gone on its next post
+
+    def _written(self, batch: _Batch) -> None:
+        self._queue.popleft()
+        self._queued_chars -= batch.chars
+        if self.congested and self._queued_chars <= LOW_WATER_CHARS:
+            self._relieve()
+
+    def _relieve(self) -> None:
+        self.congested = False
+        waiting, self._drained = self._drained, []
+        for callback in waiting:
+            callback()
 
     def _open_batch(self) -> _Batch:
         batch = _Batch()
@@ -139,10 +176,10 @@ class Outgoing:
                     return
                 except Exception:  # a bug: its messages are lost, the connection's others go on
                     log.exception("writing %d queued message(s) failed", len(batch.frames))
-                    self._queue.popleft()
+                    self._written(batch)
                     batch.sent.set_result(False)
                     continue
-                self._queue.popleft()
+                self._written(batch)
                 batch.sent.set_result(True)
         finally:
             self._writer = None

@@ -58,11 +58,16 @@ _GATE_MESSAGES: dict[str, str] = {
 class Outlet(Protocol):
     """Where a request's answer goes: the connection it came on (`outgoing.Outgoing`)."""
 
+    congested: bool  # more is queued than the connection should hold: stop adding to it
+
     async def send(self, message: BaseModel) -> bool:
         """Writes `message` after everything queued before it; False once the connection is gone."""
 
     def post(self, frame: str) -> bool:
         """Queues an encoded message without waiting, in order; False once the connection is gone."""
+
+    def when_drained(self, callback: Callable[[], None]) -> None:
+        """Calls `callback` once it is no longer congested."""
 
 
 @dataclass(frozen=True)
@@ -118,14 +123,18 @@ class _Stream:
     """One streamed answer on its way: called with each engine read's bytes, from the socket's
     read callback, it reports the first token and progress and queues the filtered text as one
     `response.chunk`. Raises `_CoordinatorGone` (which ends the engine request) once the
-    connection the request came on is gone."""
+    connection the request came on is gone; stops reading the engine while that connection is
+    congested (a slow coordinator), until it drains."""
 
-    __slots__ = ("_clock", "_events", "_filter", "_frames", "_hooks", "_post", "_report_at", "_request_id")
+    __slots__ = ("_clock", "_events", "_filter", "_frames", "_hooks", "_outlet", "_post", "_report_at",
+                 "_request_id", "_response")
 
-    def __init__(self, job: _Job, filter_: StreamFilter, clock: Callable[[], float]) -> None:
+    def __init__(self, job: _Job, response: Response, filter_: StreamFilter, clock: Callable[[], float]) -> None:
         self._request_id = job.request.id
         self._frames = protocol.ChunkFrames(job.request.id)
+        self._outlet = job.outlet
         self._post = job.outlet.post
+        self._response = response
         self._hooks = job.hooks
         self._filter = filter_
         self._clock = clock
@@ -142,6 +151,9 @@ class _Stream:
             self._hooks.on_progress(self._request_id, self._events, now)
             self._report_at = now + PROGRESS_EVERY_S
         self._queue(self._filter.feed(raw))
+        if self._outlet.congested:
+            self._response.pause_reading()
+            self._outlet.when_drained(self._response.resume_reading)
 
     def finish(self) -> None:
         """Queues what the filter still held (an event the engine left unfinished)."""
@@ -366,7 +378,7 @@ class Relay:
                 await response.aclose()
 
     async def _pump(self, job: _Job, response: Response, filter_: StreamFilter) -> None:
-        stream = _Stream(job, filter_, self._clock)
+        stream = _Stream(job, response, filter_, self._clock)
         try:
             await response.stream_to(stream.take)
         except LoopbackHTTPError:

@@ -116,9 +116,6 @@ class Uplink:
     async def send(self, message: BaseModel) -> bool:
         return bool(self._link and await self._link.send(message))
 
-    def post(self, frame: str) -> bool:
-        return bool(self._link and self._link.post(frame))
-
     def sender(self) -> Outgoing:
         """A send bound to the connection now open (a request's answer never leaks onto a later one)."""
         assert self._link is not None, "no requests come without a link"

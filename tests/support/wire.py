@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from worker import protocol
@@ -16,12 +17,27 @@ class Wire:
     def __init__(self) -> None:
         self.frames: list[Any] = []
         self.open = True
+        self.congested = False
+        self._drained: list[Callable[[], None]] = []
 
     def post(self, frame: str) -> bool:
         if not self.open:
             return False
         self.frames.append(protocol.parse_from_node(frame))
         return True
+
+    def when_drained(self, callback: Callable[[], None]) -> None:
+        if self.congested:
+            self._drained.append(callback)
+        else:
+            callback()
+
+    def drain(self) -> None:
+        """The coordinator caught up: whoever waited reads on."""
+        self.congested = False
+        waiting, self._drained = self._drained, []
+        for callback in waiting:
+            callback()
 
     async def send(self, message: Any) -> bool:
         if not self.open:

@@ -151,3 +151,36 @@ async def test_closing_drops_what_is_queued_and_tells_its_senders() -> None:
 async def test_nowhere_refuses_everything() -> None:
     nowhere = Outgoing.nowhere()
     assert nowhere.post(frame(1)) is False and await nowhere.send(chunk(1)) is False
+
+
+async def test_a_backlog_over_the_high_water_mark_congests_until_written_down_to_the_low(monkeypatch) -> None:
+    monkeypatch.setattr("worker.outgoing.HIGH_WATER_CHARS", 10 * len(frame(0)))
+    monkeypatch.setattr("worker.outgoing.LOW_WATER_CHARS", 2 * len(frame(0)))
+    socket = Socket()
+    out = Outgoing(socket.send)
+    socket.held = asyncio.Event()  # a coordinator that reads slowly
+    drained: list[str] = []
+    for n in range(10):
+        out.post(frame(n))
+    assert not out.congested
+    out.post(frame(10))
+    assert out.congested
+    out.when_drained(lambda: drained.append("resumed"))
+    await settle()
+    assert drained == [] and out.congested  # one frame out, the rest still queued
+    socket.held.set()
+    await settle()
+    assert drained == ["resumed"] and not out.congested
+    assert socket.messages() == [str(n) for n in range(11)]
+    out.when_drained(lambda: drained.append("at once"))
+    assert drained == ["resumed", "at once"]
+
+
+async def test_the_end_of_the_connection_relieves_whoever_waits_for_a_drain(monkeypatch) -> None:
+    monkeypatch.setattr("worker.outgoing.HIGH_WATER_CHARS", 1)
+    out = Outgoing(Socket().send)
+    out.post(frame(1))
+    drained: list[bool] = []
+    out.when_drained(lambda: drained.append(out.post(frame(2))))
+    out.close()
+    assert drained == [False]  # woken, and told on its next post that the connection is gone

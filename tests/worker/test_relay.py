@@ -274,6 +274,29 @@ async def test_a_closed_connection_stops_the_request_without_a_terminal(engine, 
     assert wire.terminals("r-1") == []
 
 
+async def test_a_congested_connection_stops_the_engine_reads_until_it_drains(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=30, token_delay_s=0.005)
+
+    class SlowCoordinator(Wire):
+        def post(self, frame: str) -> bool:
+            self.congested = True  # every chunk fills the connection up
+            return super().post(frame)
+
+    wire = SlowCoordinator()
+    task = make_relay(wire, http, engine).handle(request())
+    async with asyncio.timeout(5):
+        while not wire.data("r-1"):
+            await asyncio.sleep(0.005)
+    await asyncio.sleep(0.2)  # the engine streams on; the relay reads none of it
+    assert len(wire.of("r-1")) == 2 and not task.done()  # the head and the one chunk
+    while not task.done():
+        wire.drain()  # the coordinator catches up, each time
+        await asyncio.sleep(0.01)
+    assert wire.data("r-1") == await direct(engine, http, {"messages": [], "stream": True})  # on the same connection
+    assert wire.terminals("r-1") == [protocol.ResponseEnd(
+        id="r-1", usage=protocol.Usage(prompt_tokens=9, completion_tokens=30))]
+
+
 async def test_answer_goes_to_the_outlet_it_arrived_with(engine, http) -> None:
     default, bound = Wire(), Wire()
     await make_relay(default, http, engine).handle(request(), bound)
