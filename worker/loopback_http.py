@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, cast
 from urllib.parse import urlsplit
 
 CONNECT_TIMEOUT_S = 5.0
@@ -120,8 +120,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._buffer = buffer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # a stream transport (uvloop's is no subclass)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._buffer
