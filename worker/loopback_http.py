@@ -106,7 +106,9 @@ class _Connection(asyncio.BufferedProtocol):
     Reads land in a buffer the client's connections share (`recv_into`): a plain protocol is
     handed a fresh 256 KiB bytes object per read, which the allocator maps and unmaps each time
     (a quarter of the relay's CPU at an 8-GPU node's token rate went to that). The callback
-    copies out what it read before it returns, so one buffer serves every connection.
+    copies out what it read before it returns, so one buffer serves every connection. (Windows'
+    proactor reads into each transport's own buffer and copies into this one in a synchronous
+    call, so sharing holds there too.)
 
     The bytes of the answer in progress go to its `_Answer`; bytes with no answer in progress
     mean the connection is out of step, and it is closed.
