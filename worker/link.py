@@ -240,11 +240,6 @@ class Link:
         not connected."""
         return await self.sender().send(message)
 
-    def post(self, frame: str) -> bool:
-        """Queues one encoded message on the open connection without waiting; False when not
-        connected."""
-        return self.sender().post(frame)
-
     def sender(self) -> Outgoing:
         """The open connection's outlet (`send` and `post`): it answers False once that
         connection is gone, even after a reconnect, so an answer never leaks onto a later one."""

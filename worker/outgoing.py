@@ -94,12 +94,7 @@ class Outgoing:
         connection is gone."""
         if self.closed:
             return False
-        queue = self._queue
-        batch = queue[-1] if queue and queue[-1].open else self._open_batch()
-        batch.add(frame)
-        self._queued_chars += len(frame)
-        if self._queued_chars > HIGH_WATER_CHARS:
-            self.congested = True
+        self._enqueue(frame)
         return True
 
     def when_drained(self, callback: Callable[[], None]) -> None:
@@ -119,10 +114,7 @@ class Outgoing:
         if not self._queue:
             self._open_batch()  # what follows in this iteration joins it, behind this frame
             return await self._write_now(frame)
-        batch = self._queue[-1] if self._queue[-1].open else self._open_batch()
-        batch.add(frame)
-        self._queued_chars += len(frame)
-        return await asyncio.shield(batch.sent)
+        return await asyncio.shield(self._enqueue(frame).sent)
 
     def close(self) -> None:
         """The connection ended: what is still queued is dropped, its senders told False."""
@@ -147,6 +139,16 @@ class Outgoing:
         waiting, self._drained = self._drained, []
         for callback in waiting:
             callback()
+
+    def _enqueue(self, frame: str) -> _Batch:
+        """Adds `frame` to the open batch (or a new one); returns the batch it joined."""
+        queue = self._queue
+        batch = queue[-1] if queue and queue[-1].open else self._open_batch()
+        batch.add(frame)
+        self._queued_chars += len(frame)
+        if self._queued_chars > HIGH_WATER_CHARS:
+            self.congested = True
+        return batch
 
     def _open_batch(self) -> _Batch:
         batch = _Batch()
