@@ -6,6 +6,11 @@ is ever served from a `.part`: the final name appears (atomically) only once eve
 and the sha256 matched. A cut connection keeps the `.part`, so the next attempt (now or after a
 restart) asks only for the missing bytes. A body over the cap — announced or received — is never
 written past it, and its `.part` is deleted: a server cannot fill the disk.
+
+Redirects are followed here, one hop at a time (at most `MAX_REDIRECTS`), each `Location` checked
+before anything connects to it (`worker.download_hosts`: https, a public host name; the client from
+`download_client` then checks the addresses). A failure carries facts for the caller's own words,
+and none of them is something a server sent that the caller should repeat: no body, no hash of one.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import httpx
+
+from worker.download_hosts import HostRefused, url_refusal
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +37,10 @@ FreeBytes = Callable[[Path], int]
 CHUNK_BYTES = 1024 * 1024
 SPACE_MARGIN_BYTES = 256 * 1024 * 1024
 _CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-\d+|\*)/(\d+|\*)")
+MAX_REDIRECTS = 5
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+TOO_MANY_REDIRECTS = f"it was redirected more than {MAX_REDIRECTS} times"
+NO_LOCATION = "it, or a redirect, gives no usable address"
 
 
 class Meter(Protocol):
@@ -51,7 +63,8 @@ class DownloadFailed(Exception):
 
 @dataclass(eq=False)
 class Refused(DownloadFailed):
-    """The server answered a status no retry will change (404, 403, …)."""
+    """The server answered a status no retry will change (404, 403, …): for the log and the retry
+    decision, never for a message that leaves this machine."""
 
     status: int
 
@@ -76,9 +89,10 @@ class TooLarge(DownloadFailed):
 
 @dataclass(eq=False)
 class Damaged(DownloadFailed):
-    """The file's sha256 is `actual`, not `expected`."""
+    """The file's sha256 is `actual`, not `expected`. `actual` is for this machine's log only (left out
+    of the repr): a hash of what a server sent, or of a local file, never goes into a refusal."""
 
-    actual: str
+    actual: str = field(repr=False)
     expected: str
 
 
@@ -91,8 +105,8 @@ class NoSpace(DownloadFailed):
     free_bytes: int
 
 
-DownloadFailure = Refused | GaveUp | TooLarge | Damaged | NoSpace
-FAILURES = (Refused, GaveUp, TooLarge, Damaged, NoSpace)  # `except FAILURES as exc` types exc as one
+DownloadFailure = Refused | GaveUp | TooLarge | Damaged | NoSpace | HostRefused
+FAILURES = (Refused, GaveUp, TooLarge, Damaged, NoSpace, HostRefused)  # `except FAILURES as exc` types exc as one
 
 
 class _Retry(Exception):
@@ -135,7 +149,11 @@ async def check_sha256(path: Path, expected: str) -> None:
 
 
 class Downloader:
-    """Resumable https downloads into a given file; collaborators injectable for tests."""
+    """Resumable https downloads into a given file; collaborators injectable for tests.
+
+    `client` should come from `download_client` (its transport checks every address); this class
+    checks every URL's form itself, so a redirect off https or to an IP literal never connects.
+    """
 
     def __init__(
         self,
@@ -183,6 +201,7 @@ class Downloader:
                 delay = self._retry_delay_s * 2 ** (attempt - 1)
                 log.info("download from %s interrupted (%s); resuming in %.1f s", _host(url), reason, delay)
                 await self._sleep(delay)
+        log.warning("download from %s failed %d times, the last: %s", _host(url), self._attempts, reason)
         raise GaveUp(self._attempts, reason, _size(part))
 
     async def _transfer(self, url: str, part: Path, meter: Meter, max_bytes: int | None) -> None:
@@ -192,7 +211,7 @@ class Downloader:
         headers = {"Accept-Encoding": "identity"}
         if offset:
             headers["Range"] = f"bytes={offset}-"
-        async with self.client.stream("GET", url, headers=headers) as response:
+        async with self._followed(url, headers) as response:
             start = _resume_offset(response, offset, part)
             if start is None:  # the `.part` is the whole file already
                 meter.start(offset, offset)
@@ -207,6 +226,39 @@ class Downloader:
             done = await _write_body(response, part, start, meter, max_bytes)
         if total is not None and done != total:
             raise _Retry(f"got {done} of {total} bytes")
+
+    @asynccontextmanager
+    async def _followed(self, url: str, headers: dict[str, str]) -> AsyncIterator[httpx.Response]:
+        """The response at the end of `url`'s redirects; each hop's URL checked before it is asked."""
+        target = _joined(httpx.URL(), url)
+        for _ in range(MAX_REDIRECTS + 1):
+            refusal = url_refusal(target.scheme, target.raw_host)
+            if refusal is not None:
+                raise HostRefused(refusal)
+            async with self.client.stream("GET", target, headers=headers, follow_redirects=False) as response:
+                if response.status_code not in _REDIRECTS:
+                    yield response
+                    return
+                target = _location(response, target)
+        raise HostRefused(TOO_MANY_REDIRECTS)
+
+
+def _location(response: httpx.Response, base: httpx.URL) -> httpx.URL:
+    """Where a redirect points (relative to the URL that answered it); its body is never read."""
+    target = _joined(base, response.headers.get("Location", ""))
+    log.info("download from %s redirected to %s", base.host, target.host)
+    return target
+
+
+def _joined(base: httpx.URL, reference: str) -> httpx.URL:
+    """`reference` read against `base`; `HostRefused` when that names no host."""
+    try:
+        target = base.join(reference) if reference.strip() else httpx.URL()
+    except (httpx.InvalidURL, UnicodeError, ValueError):
+        raise HostRefused(NO_LOCATION) from None
+    if not target.raw_host:
+        raise HostRefused(NO_LOCATION)
+    return target
 
 
 async def _write_body(

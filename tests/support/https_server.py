@@ -5,11 +5,18 @@ send more, so tests can check that a download stops at its cap either way.
 
 Runs in a background thread (so both async httpx clients and libraries that make blocking calls
 from worker threads can use it), with a trustme certificate authority the test hands to its
-clients. Every request is recorded, so a test can assert which ranges were asked for.
+clients. Every request is recorded, so a test can assert which ranges were asked for, and every
+connection counted, so a test can assert that nothing connected at all.
+
+The app downloads only from public host names (`worker.download_hosts`), so the server is named
+by one (`files.example.net`, and `mirror.example.org` for a second host): `SERVED_HERE` is the
+tests' host policy, which finds those two names on 127.0.0.1 and treats every other host as the
+app does. `server.client()` is a download client with that policy that trusts the server.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 import ssl
@@ -21,9 +28,29 @@ from types import TracebackType
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
+import httpx
 import trustme
 
+from worker.download_hosts import IPAddress, PublicHosts, download_client
+
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+HOST = "files.example.net"
+MIRROR = "mirror.example.org"
+LOOPBACK = ipaddress.IPv4Address("127.0.0.1")
+
+
+@dataclass(frozen=True)
+class ServedHere(PublicHosts):
+    """The tests' host policy: `names` are public hosts that happen to live on 127.0.0.1; every other
+    host is looked up and judged as the app judges it (so `localhost` is still refused)."""
+
+    names: frozenset[str] = frozenset({HOST, MIRROR})
+
+    def address_for(self, host: str, port: int) -> IPAddress:
+        return LOOPBACK if host.lower() in self.names else super().address_for(host, port)
+
+
+SERVED_HERE = ServedHere()
 
 
 @dataclass(frozen=True)
@@ -69,6 +96,7 @@ class _Server(ThreadingHTTPServer):
 
     def finish_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
         """Handshake in the request's own thread, so one slow client never blocks accept()."""
+        self.owner._count_connection()
         try:
             tls = self.context.wrap_socket(request, server_side=True)
         except (ssl.SSLError, OSError):
@@ -199,7 +227,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class HttpsServer:
-    """`with HttpsServer(root) as server: httpx.get(server.url("a.gguf"), verify=server.client_context())`."""
+    """`with HttpsServer(root) as server: async with server.client() as c: await c.get(server.url("a.gguf"))`."""
 
     def __init__(
         self, root: Path | None = None, *, ca: trustme.CA | None = None, honour_range: bool = True
@@ -210,9 +238,10 @@ class HttpsServer:
         self._resources: dict[str, Resource] = {}
         self._cuts: dict[str, _Cut] = {}
         self._seen: list[SeenRequest] = []
+        self._connections = 0
         self._lock = threading.Lock()
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self.ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+        self.ca.issue_cert("127.0.0.1", "localhost", HOST, MIRROR).configure_cert(context)
         self._server = _Server(self, context)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
@@ -233,11 +262,26 @@ class HttpsServer:
         self._thread.join(timeout=5)
 
     @property
-    def base_url(self) -> str:
-        return f"https://127.0.0.1:{self._server.server_address[1]}"
+    def port(self) -> int:
+        return int(self._server.server_address[1])
 
-    def url(self, path: str) -> str:
-        return f"{self.base_url}/{path.lstrip('/')}"
+    @property
+    def base_url(self) -> str:
+        return f"https://{HOST}:{self.port}"
+
+    def url(self, path: str, *, host: str = HOST) -> str:
+        """The URL of `path` here, by default under the server's public-looking name."""
+        return f"https://{host}:{self.port}/{path.lstrip('/')}"
+
+    def client(self, *, timeout_s: float = 10.0) -> httpx.AsyncClient:
+        """A download client as the app makes one, with the tests' host policy, trusting this server."""
+        return download_client(SERVED_HERE, verify=self.client_context(), timeout_s=timeout_s)
+
+    @property
+    def connections(self) -> int:
+        """How many connections were accepted (TLS or not, whatever they asked)."""
+        with self._lock:
+            return self._connections
 
     def client_context(self) -> ssl.SSLContext:
         """An SSL context that trusts this server's certificate authority (httpx `verify=`)."""
@@ -263,6 +307,10 @@ class HttpsServer:
     def requests_for(self, path: str, method: str | None = None) -> list[SeenRequest]:
         wanted = "/" + path.lstrip("/")
         return [r for r in self.requests if r.path == wanted and (method is None or r.method == method)]
+
+    def _count_connection(self) -> None:
+        with self._lock:
+            self._connections += 1
 
     def _record(self, request: SeenRequest) -> None:
         with self._lock:

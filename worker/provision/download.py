@@ -1,11 +1,14 @@
 """Provisioning's side of the shared downloader (`worker.download`): its failures as `Problem`s.
 
-The mechanics (resume, cap, hash, free space) are `worker.download`'s; this module words what a
-person reads when a model or engine download fails, and what to do about it.
+The mechanics (resume, cap, hash, free space, where a download may go) are `worker.download`'s;
+this module words what a person reads when a model or engine download fails, and what to do
+about it. These words also go to the coordinator, so they carry nothing a server sent: no status,
+no hash of a body, no error text; the log has the status and the last error.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,11 +18,14 @@ import httpx
 
 from worker import download
 from worker.download import Downloader, FreeBytes
+from worker.download_hosts import HostRefused
 from worker.events import Problem
 from worker.provision.errors import ProvisionError, human_bytes
 from worker.provision.progress import ProgressCallback, ProgressMeter
 
-__all__ = ["Downloader", "FreeBytes", "SizeCap", "ensure_free_space", "fetch", "too_large", "verify_sha256"]
+__all__ = ["Downloader", "FreeBytes", "SizeCap", "ensure_free_space", "fetch", "host_refused", "too_large"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,18 +44,13 @@ def ensure_free_space(folder: Path, need_bytes: int, free_bytes: FreeBytes, what
         raise ProvisionError(_no_space(exc, what)) from None
 
 
-async def verify_sha256(path: Path, expected: str, what: str) -> None:
-    """A file already on this machine (a local model) against its sha256; the file is left alone."""
-    try:
-        await download.check_sha256(path, expected)
-    except download.Damaged as exc:
-        raise ProvisionError(
-            Problem(
-                "Model file does not match",
-                f"{what}: the file's sha256 is {exc.actual}, not the {exc.expected} the assignment gives. "
-                "It was left as it is and not used; check that the path names the right file.",
-            )
-        ) from None
+def host_refused(what: str, exc: HostRefused) -> Problem:
+    """What a person reads when a download (or a redirect) would have gone where downloads may not."""
+    return Problem(
+        "Download address not allowed",
+        f"{what}: the download was stopped before it reached the address, because {exc.reason}. Models "
+        "and engines are downloaded over https from public hosts only; ask the network to correct the address.",
+    )
 
 
 def too_large(what: str, max_bytes: int, size_said: str) -> Problem:
@@ -92,28 +93,31 @@ async def fetch(
 
 
 def _problem(exc: download.DownloadFailure, what: str, url: str, size_said: str) -> Problem:
-    host = httpx.URL(url).host or url
+    host = httpx.URL(url).host or "the server"
     if isinstance(exc, download.TooLarge):
         return too_large(what, exc.max_bytes, size_said)
+    if isinstance(exc, HostRefused):
+        return host_refused(what, exc)
     if isinstance(exc, download.Damaged):
+        log.warning("%s: the download's sha256 is %s", what, exc.actual)
         return Problem(
             "Downloaded file is damaged",
-            f"{what}: the file's sha256 is {exc.actual}, not the {exc.expected} it should be. It was deleted "
-            "and will not be used; the next attempt downloads it again.",
+            f"{what}: the file's sha256 is not the {exc.expected} it should be. It was deleted and will not be "
+            "used; the next attempt downloads it again.",
             action="check_network",
         )
     if isinstance(exc, download.Refused):
+        log.warning("%s: %s answered HTTP %d", what, host, exc.status)
         return Problem(
             "Download refused",
-            f"{what}: {host} answered HTTP {exc.status} for {url}. Check that the address is right.",
+            f"{what}: {host} would not send the file. Check that the address is right.",
             action="check_network",
         )
     if isinstance(exc, download.GaveUp):
         return Problem(
             "Download interrupted",
-            f"{what}: the connection to {host} kept failing ({exc.reason}). The {human_bytes(exc.kept_bytes)} "
-            "already downloaded are kept and the download resumes from there next time. Check the network "
-            "connection.",
+            f"{what}: the connection to {host} kept failing. What was already downloaded is kept and the "
+            "download resumes from there next time. Check the network connection.",
             action="check_network",
         )
     return _no_space(exc, what)

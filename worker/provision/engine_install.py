@@ -17,9 +17,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
-import httpx
-
 from worker.config import Paths
+from worker.download_hosts import download_client
 from worker.engines import registry
 from worker.engines.llamacpp import normalise_version as normalise_build
 from worker.events import Problem
@@ -160,7 +159,7 @@ async def _downloader(given: Downloader | None) -> AsyncIterator[Downloader]:
     if given is not None:
         yield given
         return
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0), follow_redirects=True) as client:
+    async with download_client() as client:  # public https hosts only, each redirect checked
         yield Downloader(client)
 
 

@@ -6,13 +6,21 @@ anything is written (from a dry run that lists the files and the sizes the Hub a
 size cap again while bytes arrive (huggingface_hub reports every chunk to the progress bar class
 it is given before writing it, and ours stops the download there), progress events from how much
 of the repo is on disk, and failures a person can act on. Its calls block, so they run in a thread.
+
+Where it connects: huggingface_hub follows redirects itself (to its CDN), so the check is in its
+HTTP client: `fetch_repo` installs one whose transport checks every request, each hop included, as
+`worker.download_hosts` does for our own downloads (https, a public host name, public addresses,
+connected to the address checked). Xet transfers are turned off: hf_xet is native code with its own
+HTTP that nothing here can check, and without it the same files come over plain https.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import shutil
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
-from huggingface_hub import snapshot_download
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import set_client_factory, snapshot_download
 from huggingface_hub.errors import (
     DisabledRepoError,
     GatedRepoError,
@@ -31,13 +40,17 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils._http import hf_request_event_hook
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
+from worker.download_hosts import PUBLIC_HOSTS, HostPolicy, HostRefused, checked_address
 from worker.events import DownloadProgress, Problem
 from worker.provision.cache import tree_size
-from worker.provision.download import FreeBytes, SizeCap, ensure_free_space, too_large
+from worker.provision.download import FreeBytes, SizeCap, ensure_free_space, host_refused, too_large
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback, ProgressMeter
+
+log = logging.getLogger(__name__)
 
 
 class _SilentBar(tqdm):  # type: ignore[misc]
@@ -76,6 +89,49 @@ def _capped_bar(max_bytes: int) -> type[_SilentBar]:
     return _CappedBar
 
 
+class _GuardedTransport(httpx2.BaseTransport):
+    """Every request huggingface_hub sends (each redirect hop is one) checked, then sent to the
+    address that was checked; called in huggingface_hub's worker threads, so the lookup may block."""
+
+    def __init__(self, hosts: HostPolicy, inner: httpx2.BaseTransport) -> None:
+        self._hosts = hosts
+        self._inner = inner
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        url = request.url
+        try:
+            address = checked_address(self._hosts, url.scheme, url.raw_host, url.port)
+        except OSError as exc:
+            raise httpx2.ConnectError(f"cannot look up {url.host} ({exc})", request=request) from exc
+        pinned = httpx2.Request(
+            request.method,
+            url.copy_with(host=str(address)),
+            headers=request.headers,  # Host: still the name
+            stream=request.stream,
+            extensions={**request.extensions, "sni_hostname": url.raw_host.decode("ascii")},
+        )
+        return self._inner.handle_request(pinned)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def guard_hub(hosts: HostPolicy = PUBLIC_HOSTS, verify: ssl.SSLContext | bool = True) -> None:
+    """Make huggingface_hub's shared client one whose every request goes only where `hosts` allows."""
+
+    def client() -> httpx2.Client:
+        return httpx2.Client(
+            transport=_GuardedTransport(hosts, httpx2.HTTPTransport(verify=verify)),
+            event_hooks={"request": [hf_request_event_hook]},  # as huggingface_hub's own client
+            follow_redirects=True,  # bounded by max_redirects; every hop passes the transport
+            timeout=None,
+            trust_env=False,
+        )
+
+    hf_constants.HF_HUB_DISABLE_XET = True
+    set_client_factory(client)
+
+
 @dataclass(frozen=True)
 class RepoRequest:
     repo_id: str
@@ -110,12 +166,16 @@ async def fetch_repo(
     clock: Callable[[], float] = time.monotonic,
     poll_s: float = 0.2,
     cap: SizeCap | None = None,
+    hosts: HostPolicy = PUBLIC_HOSTS,
+    verify: ssl.SSLContext | bool = True,
 ) -> Path:
     """Download (or find in the cache) the repo's snapshot and return its folder.
 
     With a `cap`, a repo whose announced files add up to more is refused before any download, and
-    one that brings more while downloading is stopped and its new files deleted.
+    one that brings more while downloading is stopped and its new files deleted. Every request
+    goes only where `hosts` allows (`guard_hub`).
     """
+    guard_hub(hosts, verify)
     existed = request.storage.exists()
     try:
         files = await _plan_or_none(request)
@@ -213,17 +273,34 @@ def _size_or_zero(path: Path) -> int:
 
 def _problem(exc: BaseException, request: RepoRequest) -> Problem:
     """Map huggingface_hub's failure (or the one it wraps) to what a person should read and do."""
+    refused = _host_refused_in(exc)
+    if refused is not None:
+        return host_refused(f"model {request.repo_id}", refused)
     cause: BaseException | None = exc
     while cause is not None:
         known = _known_problem(cause, request)
         if known is not None:
             return known
         cause = cause.__cause__
+    log.warning("downloading %s from Hugging Face failed: %s", request.repo_id, exc)
     return Problem(
         "Model download failed",
-        f"Downloading {request.repo_id} from Hugging Face failed: {exc}. Check the network and try again.",
+        f"Downloading {request.repo_id} from Hugging Face failed ({exc.__class__.__name__}). Check the network "
+        "and try again.",
         action="check_network",
     )
+
+
+def _host_refused_in(exc: BaseException) -> HostRefused | None:
+    """The guard's refusal behind `exc`, however huggingface_hub wrapped it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, HostRefused):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _known_problem(exc: BaseException, request: RepoRequest) -> Problem | None:

@@ -3,16 +3,22 @@
 A Hugging Face repo goes through huggingface_hub into the app's model cache; an https GGUF
 through the resumable downloader, saved under the app's own name (its sha256); an absolute local
 path is checked where it is — a GGUF file for an engine that loads one (llama.cpp), a folder with
-config.json for one that loads a model folder (vLLM), never a device or other special file, and no
-error ever quotes what a file holds. A download may bring at most the assignment's `weights_mib`
-plus 10 %, and never more than the cache limit. Cached downloads are tracked in the cache index, and the least recently used are evicted when the cache
+config.json for one that loads a model folder (vLLM), never a device or other special file. Every
+local path the node cannot use gets the same words (`UNUSABLE_PATH`), whether it is missing,
+unreadable, special, not a model, a folder with no or several GGUF files, or of another sha256:
+the refusal goes to the coordinator, which must not learn what exists on this machine. Downloads
+go only to public https hosts (`ModelOptions.hosts`, `worker.download_hosts`). A download may bring
+at most the assignment's `weights_mib` plus 10 %, and never more than the cache limit. Cached
+downloads are tracked in the cache index, and the least recently used are evicted when the cache
 grows past the user's limit — never a model in use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import ssl
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -23,13 +29,14 @@ from typing import Literal
 
 import httpx
 
-from worker import protocol
+from worker import download, protocol
 from worker.config import Paths, Settings
 from worker.download import SPACE_MARGIN_BYTES, FreeBytes, disk_free
+from worker.download_hosts import PUBLIC_HOSTS, HostPolicy, download_client
 from worker.engines import EngineAdapter, registry
 from worker.events import Problem
 from worker.provision.cache import ModelCache
-from worker.provision.download import Downloader, SizeCap, fetch, verify_sha256
+from worker.provision.download import Downloader, SizeCap, fetch
 from worker.provision.errors import ProvisionError, human_bytes
 from worker.provision.progress import ProgressCallback
 from worker.provision.sources import BadSource, ModelSource, check_source, under_system_folder
@@ -38,12 +45,18 @@ MIB = 1024 * 1024
 GIB = 1024 * MIB
 GGUF_MAGIC = b"GGUF"
 _SHARD = "-00001-of-"
+UNUSABLE_PATH = "The model path given cannot be used on this machine."
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """The collaborators a download uses; tests inject the disk reader, clock and retry sleep."""
+    """The collaborators a download uses; tests inject the disk reader, clock and retry sleep, and
+    (serving files on 127.0.0.1) their own host policy and certificate authority."""
 
+    hosts: HostPolicy = PUBLIC_HOSTS
+    verify: ssl.SSLContext | bool = True
     free_bytes: FreeBytes = disk_free
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
@@ -142,7 +155,7 @@ async def _https_model(
         return dest
     need = engine_model.weights_mib * MIB
     await asyncio.to_thread(cache.evict, max(0, limit - need), in_use=(*options.in_use, dest))
-    async with _client(http) as client:
+    async with _client(http, options) as client:
         await fetch(
             Downloader(client, free_bytes=options.free_bytes, sleep=options.sleep, margin_bytes=options.margin_bytes),
             source.value,
@@ -159,12 +172,12 @@ async def _https_model(
 
 
 @asynccontextmanager
-async def _client(http: httpx.AsyncClient | None) -> AsyncIterator[httpx.AsyncClient]:
+async def _client(http: httpx.AsyncClient | None, options: ModelOptions) -> AsyncIterator[httpx.AsyncClient]:
     """The caller's client, or one of our own for this download (closed after it)."""
     if http is not None:
         yield http
         return
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0), follow_redirects=True) as own:
+    async with download_client(options.hosts, verify=options.verify) as own:
         yield own
 
 
@@ -200,65 +213,72 @@ async def _hf_model(
         margin_bytes=options.margin_bytes,
         clock=options.clock,
         cap=cap,
+        hosts=options.hosts,
+        verify=options.verify,
     )
     await asyncio.to_thread(cache.put, key, request.storage)
-    if adapter.MODEL_FORMAT == "gguf":
-        return _gguf_in(snapshot, source.value, adapter.DISPLAY_NAME, recursive=True)
-    return snapshot
-
-
-async def _local_model(path: Path, sha256: str | None, adapter: EngineAdapter) -> Path:
-    """The model at `path` if it is one for the engine; never reads a device, FIFO or non-model file."""
-    kind = await asyncio.to_thread(_local_kind, path)
-    if sha256 and kind == "folder":
+    if adapter.MODEL_FORMAT != "gguf":
+        return snapshot
+    model = await asyncio.to_thread(_gguf_in, snapshot, recursive=True)
+    if model is None:
         raise ProvisionError(
             Problem(
-                "Model source not usable", f"{path} is a folder; a sha256 can only be checked for one file."
+                "Model source not usable",
+                f"{source.value} has no single GGUF file to load; {adapter.DISPLAY_NAME} needs exactly one. "
+                "Name the file with its https:// URL instead.",
             )
         )
-    if adapter.MODEL_FORMAT == "folder":
-        if kind != "folder" or not await asyncio.to_thread(_is_regular_file, path / "config.json"):
-            raise ProvisionError(
-                _not_a_model(f"{path} is not a model folder with a config.json in it, as {adapter.DISPLAY_NAME} needs")
-            )
-        return path
-    model = path if kind == "file" else await asyncio.to_thread(
-        _gguf_in, path, str(path), adapter.DISPLAY_NAME, recursive=False)
-    if not await asyncio.to_thread(_starts_with_gguf_magic, model):
-        raise ProvisionError(
-            _not_a_model(f"{model} is not a GGUF model file (it does not start with the GGUF signature)")
-        )
-    if sha256:
-        await verify_sha256(model, sha256, f"model {model.name}")
     return model
 
 
-def _local_kind(path: Path) -> Literal["file", "folder"]:
-    """Regular file or folder (links followed); anything else — missing, special, in /dev — refused."""
+async def _local_model(path: Path, sha256: str | None, adapter: EngineAdapter) -> Path:
+    """The model at `path` if it is one for the engine; never reads a device, FIFO or non-model file.
+
+    Whatever is wrong, the refusal is `UNUSABLE_PATH`: only this machine's log says what.
+    """
+    model = await asyncio.to_thread(_usable_local, path, adapter.MODEL_FORMAT, sha256 is not None)
+    if model is None:
+        raise _unusable()
+    if sha256:
+        try:
+            await download.check_sha256(model, sha256)
+        except download.Damaged:
+            log.info("local model refused: its sha256 is not the assignment's")
+            raise _unusable() from None
+    return model
+
+
+def _usable_local(path: Path, model_format: str, one_file: bool) -> Path | None:
+    """The file or folder to load from `path`, or None (the reason logged here, never sent)."""
+    kind = _local_kind(path)
+    if kind is None or (one_file and kind == "folder"):
+        log.info("local model refused: %s", "not a regular file or folder" if kind is None else "a sha256 for a folder")
+        return None
+    if model_format == "folder":
+        usable = kind == "folder" and _is_regular_file(path / "config.json")
+        if not usable:
+            log.info("local model refused: not a folder with a config.json")
+        return path if usable else None
+    model = path if kind == "file" else _gguf_in(path, recursive=False)
+    if model is None or not _starts_with_gguf_magic(model):
+        log.info("local model refused: no single GGUF file there")
+        return None
+    return model
+
+
+def _local_kind(path: Path) -> Literal["file", "folder"] | None:
+    """Regular file or folder (links followed); anything else — missing, unreadable, special, in
+    /dev, /proc or /sys — None."""
     try:
         mode = os.stat(path).st_mode
         real = Path(os.path.realpath(path))
-    except FileNotFoundError:
-        raise ProvisionError(
-            Problem(
-                "Model not found", f"The model path {path} does not exist on this machine.", action="settings"
-            )
-        ) from None
-    except OSError as exc:
-        raise ProvisionError(
-            Problem(
-                "Model not readable",
-                f"The model path {path} cannot be read ({exc.strerror}).",
-                action="settings",
-            )
-        ) from None
+    except (OSError, ValueError):
+        return None
     if os.name != "nt" and under_system_folder(PurePosixPath(real)):
-        raise ProvisionError(_not_a_model(f"{path} leads into /dev, /proc or /sys, where no model lives"))
+        return None
     if stat.S_ISREG(mode):
         return "file"
-    if stat.S_ISDIR(mode):
-        return "folder"
-    raise ProvisionError(_not_a_model(f"{path} is a device, pipe or socket, not a model file or folder"))
+    return "folder" if stat.S_ISDIR(mode) else None
 
 
 def _is_regular_file(path: Path) -> bool:
@@ -289,29 +309,26 @@ def _starts_with_gguf_magic(path: Path) -> bool:
 _FORMAT_WORDS = {"gguf": "a GGUF file", "folder": "a model folder with config.json"}
 
 
-def _not_a_model(what_it_is: str) -> Problem:
-    """The refusal names the path and what was expected — never what the file holds."""
+def _unusable() -> ProvisionError:
+    """The one refusal for every local path: what is wanted, nothing about what is there."""
     wanted = ", or of ".join(f"{_FORMAT_WORDS[a.MODEL_FORMAT]} for {a.DISPLAY_NAME}" for a in registry.adapters())
-    return Problem("Model source not usable", f"{what_it_is}. Give the path of {wanted}.", action="settings")
+    return ProvisionError(
+        Problem("Model source not usable", f"{UNUSABLE_PATH} Give the path of {wanted}.", action="settings")
+    )
 
 
-def _gguf_in(folder: Path, name: str, engine_name: str, *, recursive: bool) -> Path:
-    """The one GGUF file a GGUF engine loads from a folder (the first shard of a split model).
+def _gguf_in(folder: Path, *, recursive: bool) -> Path | None:
+    """The one GGUF file a GGUF engine loads from a folder (the first shard of a split model), or None.
 
     A downloaded repo is searched through; a local folder only at its top, so a path such as `/`
     never sets off a walk of the whole disk.
     """
-    found = folder.rglob("*.gguf") if recursive else folder.glob("*.gguf")
-    files = sorted(p for p in found if p.is_file() or p.is_symlink())
+    try:
+        found = folder.rglob("*.gguf") if recursive else folder.glob("*.gguf")
+        files = sorted(p for p in found if p.is_file() or p.is_symlink())
+    except OSError:
+        return None
     shards = [p for p in files if _SHARD in p.name]
     if len(files) == 1 or (shards and len(shards) == 1):
         return shards[0] if shards else files[0]
-    reason = (
-        "no GGUF file" if not files else f"{len(files)} GGUF files ({', '.join(p.name for p in files[:4])})"
-    )
-    raise ProvisionError(
-        Problem(
-            "Model source not usable",
-            f"{name} has {reason}; {engine_name} needs exactly one. Name the file with its https:// URL instead.",
-        )
-    )
+    return None

@@ -3,12 +3,15 @@
 Nothing is trusted until the whole file's hash equals the signed one. A download stops, and its
 partial file is deleted, once it passes the offer's size, or 1 GiB when the offer gives none; the
 size is not signed, so an offer over 1 GiB is refused: a hostile server cannot fill the disk with
-a body that would never verify. Every failure is an `UpdateRefused` worded for the update status.
+a body that would never verify. Every failure is an `UpdateRefused` worded for the update status,
+carrying nothing a server sent (no status, no hash of a body, no announced size); the download
+goes only to public https hosts, each redirect checked before it is followed (`worker.download`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -18,11 +21,14 @@ import httpx
 
 from worker import download
 from worker.download import SPACE_MARGIN_BYTES, FreeBytes, disk_free
+from worker.download_hosts import HostRefused
 from worker.events import DownloadProgress
 from worker.provision.progress import ProgressCallback, ProgressMeter
 from worker.update.verify import UpdateRefused
 
 MAX_ARCHIVE_BYTES = 1024**3  # the protocol's cap on any update ("Update")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,10 +65,7 @@ class _Cap:
         amount = _amount(self.limit)
         allowed = f"the offer said {amount}" if self.offered else f"the limit is {amount}"
         if exc.announced is not None:
-            return UpdateRefused(
-                f"{what} was {larger}: the server announced {_amount(exc.announced)}, {allowed}; "
-                "nothing was downloaded"
-            )
+            return UpdateRefused(f"{what} was {larger}: the server announced more, {allowed}; nothing was downloaded")
         return UpdateRefused(
             f"{what} was {larger}: the server sent more than {amount}, {allowed}; "
             "the download was stopped and deleted"
@@ -115,14 +118,19 @@ async def download_verified(
 def _refusal(exc: download.DownloadFailure, cap: _Cap, what: str, url: str) -> UpdateRefused:
     if isinstance(exc, download.TooLarge):
         return cap.refusal(exc, what)
+    host = httpx.URL(url).host or "the server"
+    if isinstance(exc, HostRefused):
+        return UpdateRefused(f"downloading {what} was stopped before it reached the address, because {exc.reason}")
     if isinstance(exc, download.Damaged):
-        return UpdateRefused(f"{what}: the download's sha256 {exc.actual} is not the signed {exc.expected}; deleted it")
+        log.warning("update download: its sha256 is %s", exc.actual)
+        return UpdateRefused(f"{what}: the download's sha256 is not the signed {exc.expected}; deleted it")
     if isinstance(exc, download.Refused):
-        return UpdateRefused(f"downloading {what} failed: HTTP {exc.status} from {url}")
+        log.warning("update download: %s answered HTTP %d", host, exc.status)
+        return UpdateRefused(f"downloading {what} failed: {host} would not send it")
     if isinstance(exc, download.GaveUp):
         return UpdateRefused(
-            f"could not download {what} after {exc.attempts} attempts ({exc.reason}); "
-            f"{exc.kept_bytes:,} bytes are kept to resume next time"
+            f"could not download {what} from {host} after {exc.attempts} attempts; what arrived is kept to "
+            "resume next time"
         )
     return UpdateRefused(
         f"not enough disk space for {what}: it needs {_amount(exc.need_bytes)} free in {exc.folder}, "

@@ -1,15 +1,16 @@
 """Self-update from offer to running new version: verify, download, stage, apply, roll back.
 
-Offers come from the coordinator's `update` message and from a periodic check of the update
-feed. An offer is verified before anything is fetched; the archive is checked by hash before it
-is unpacked. Applying waits until no request is in flight (or the user clicks "install now"),
-stops the engine children and waits until they are gone (an engine that outlives its app holds
-the GPU and the port, and the new version would fail to start), switches `current`, starts the
-new version, and switches back if that version does not prove within `hello_timeout_s` that it
-reached `hello`. Before it starts the new version, the node gives up its data folder (the new
-version must own it to start at all) and takes it back after a rollback. A version that crashed,
-or hung before its core started, is never tried again; one that started but could not reach the
-coordinator (the network may be down) is rolled back and may be offered again.
+Offers come from the coordinator's `update` message and from a periodic check of the update feed.
+An offer is verified before anything is fetched; the archive is checked by hash before it is
+unpacked. Feed and archive come only from public https hosts, every redirect checked before it is
+followed (`worker.download_hosts`). Applying waits until no request is in flight (or the user
+clicks "install now"), stops the engine children and waits until they are gone (an engine that
+outlives its app holds the GPU and the port, and the new version would fail to start), switches
+`current`, starts the new version, and switches back if that version does not prove within
+`hello_timeout_s` that it reached `hello`. Before it starts the new version, the node gives up its
+data folder (the new version must own it to start at all) and takes it back after a rollback. A
+version that crashed, or hung before its core started, is never tried again; one that started but
+could not reach the coordinator (the network may be down) is rolled back and may be offered again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from worker import __version__, protocol
 from worker.config import Paths, Settings
+from worker.download_hosts import HostRefused, download_client
 from worker.events import DownloadProgress
 from worker.update.download import DownloadPolicy, download_verified
 from worker.update.install import (
@@ -92,9 +94,7 @@ class UpdaterOptions:
     public_key: Ed25519PublicKey = field(default_factory=release_public_key)
     running_version: str = __version__
     platform_name: str = field(default_factory=platform_key)
-    client_factory: Callable[[], httpx.AsyncClient] = lambda: httpx.AsyncClient(
-        follow_redirects=True, timeout=60
-    )
+    client_factory: Callable[[], httpx.AsyncClient] = lambda: download_client(timeout_s=60)  # public https only
     launch_args: Sequence[str] = field(default_factory=lambda: tuple(sys.argv[1:]))
     hello_timeout_s: float = HELLO_TIMEOUT_S
     feed_interval_s: float = FEED_INTERVAL_S
@@ -175,7 +175,7 @@ class Updater:
             return False
         try:
             update = await self._fetch_feed(url)
-        except (UpdateRefused, httpx.HTTPError) as exc:
+        except (UpdateRefused, HostRefused, httpx.HTTPError) as exc:
             log.warning("update feed check failed: %s", exc)
             return False
         if update is None:
@@ -218,7 +218,7 @@ class Updater:
 
     async def _fetch_feed(self, url: str) -> protocol.Update | None:
         async with self._options.client_factory() as client:
-            response = await client.get(url)
+            response = await client.get(url, follow_redirects=True)  # each hop checked by the client
             response.raise_for_status()
         return offer_from_feed(
             response.content,

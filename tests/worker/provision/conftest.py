@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,10 +14,19 @@ from tests.support.https_server import HttpsServer
 from worker.events import DownloadProgress
 
 
+CA = trustme.CA()  # one for the session: making one per test costs more than the test
+
+
+def trusting_ca() -> ssl.SSLContext:
+    """A client context that trusts `CA` (every `server` here): for `ModelOptions.verify`."""
+    context = ssl.create_default_context()
+    CA.configure_trust(context)
+    return context
+
+
 @pytest.fixture(scope="session")
 def ca() -> trustme.CA:
-    """One certificate authority for the session: making one per test costs more than the test."""
-    return trustme.CA()
+    return CA
 
 
 @pytest.fixture
@@ -29,7 +39,7 @@ def server(tmp_path: Path, ca: trustme.CA) -> Iterator[HttpsServer]:
 
 @pytest.fixture
 async def client(server: HttpsServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(verify=server.client_context(), timeout=10) as http:
+    async with server.client() as http:
         yield http
 
 

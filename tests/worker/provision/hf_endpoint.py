@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import httpx2
-from huggingface_hub.utils import _http as hf_http
 
 from tests.support.https_server import HttpsServer
 
@@ -41,14 +36,3 @@ def serve_repo(
         headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
         server.add(f"{repo_id}/resolve/{commit}/{name}", data, headers=headers)
         server.add(f"{repo_id}/resolve/{revision}/{name}", data, headers=headers)
-
-
-@contextmanager
-def hub_trusting(server: HttpsServer) -> Iterator[None]:
-    """huggingface_hub's shared HTTP client, made to trust the test server's certificate authority."""
-    context = server.client_context()
-    hf_http.set_client_factory(lambda: httpx2.Client(verify=context, follow_redirects=True, timeout=30))
-    try:
-        yield
-    finally:
-        hf_http.set_client_factory(hf_http.default_client_factory)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 from pathlib import Path
@@ -8,19 +9,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.https_server import HttpsServer
-from tests.worker.provision.conftest import no_sleep
-from tests.worker.provision.hf_endpoint import hub_trusting, serve_repo
+from tests.support.https_server import SERVED_HERE, HttpsServer
+from tests.worker.provision.conftest import no_sleep, trusting_ca
+from tests.worker.provision.hf_endpoint import serve_repo
 from worker import protocol
 from worker.config import Paths, Settings
 from worker.events import DownloadProgress
 from worker.provision.errors import ProvisionError
-from worker.provision.models import ModelOptions, ensure_model
+from worker.provision.models import UNUSABLE_PATH, ModelOptions, ensure_model
 
 GGUF = b"GGUF" + os.urandom(200_000)
 GGUF_SHA = hashlib.sha256(GGUF).hexdigest()
 COMMIT = "c" * 40
-OPTIONS = ModelOptions(free_bytes=lambda _: 10**12, sleep=no_sleep, margin_bytes=0)
+OPTIONS = ModelOptions(
+    hosts=SERVED_HERE, verify=trusting_ca(), free_bytes=lambda _: 10**12, sleep=no_sleep, margin_bytes=0
+)
 
 
 def engine_model(source: str, **fields: object) -> protocol.EngineModel:
@@ -88,10 +91,9 @@ async def test_hugging_face_repo_arrives_in_the_app_cache_with_progress(
     serve_repo(server, "org/tiny", files, commit=COMMIT)
     model = engine_model("org/tiny", revision="main")
 
-    with hub_trusting(server):
-        folder = await ensure_model(
-            model, "vllm", paths, Settings(), progress.append, hf_endpoint=server.base_url, options=OPTIONS
-        )
+    folder = await ensure_model(
+        model, "vllm", paths, Settings(), progress.append, hf_endpoint=server.base_url, options=OPTIONS
+    )
 
     assert folder.is_relative_to(paths.models_dir)
     assert folder.name == COMMIT
@@ -106,16 +108,14 @@ async def test_cached_hugging_face_repo_is_served_while_the_hub_is_unreachable(
 ) -> None:
     serve_repo(server, "org/tiny", {"config.json": b"{}"}, commit=COMMIT)
     model = engine_model("org/tiny")
-    with hub_trusting(server):
-        folder = await ensure_model(
-            model, "vllm", paths, Settings(), progress.append, hf_endpoint=server.base_url, options=OPTIONS
-        )
+    folder = await ensure_model(
+        model, "vllm", paths, Settings(), progress.append, hf_endpoint=server.base_url, options=OPTIONS
+    )
     server.close()
 
-    with hub_trusting(server):
-        again = await ensure_model(
-            model, "vllm", paths, Settings(), progress.append, hf_endpoint=server.base_url, options=OPTIONS
-        )
+    again = await ensure_model(
+        model, "vllm", paths, Settings(), progress.append, hf_endpoint=server.base_url, options=OPTIONS
+    )
 
     assert again == folder
     assert progress[-1].finished
@@ -127,16 +127,15 @@ async def test_hugging_face_repo_for_llamacpp_gives_its_gguf_file(
     serve_repo(server, "org/tiny-gguf", {"tiny-Q4_K_M.gguf": GGUF, "README.md": b"# tiny"}, commit=COMMIT)
     model = engine_model("org/tiny-gguf")
 
-    with hub_trusting(server):
-        path = await ensure_model(
-            model,
-            "llamacpp",
-            paths,
-            Settings(),
-            progress.append,
-            hf_endpoint=server.base_url,
-            options=OPTIONS,
-        )
+    path = await ensure_model(
+        model,
+        "llamacpp",
+        paths,
+        Settings(),
+        progress.append,
+        hf_endpoint=server.base_url,
+        options=OPTIONS,
+    )
 
     assert path.name == "tiny-Q4_K_M.gguf" and path.read_bytes() == GGUF
     assert not server.requests_for(f"org/tiny-gguf/resolve/{COMMIT}/README.md")
@@ -145,7 +144,7 @@ async def test_hugging_face_repo_for_llamacpp_gives_its_gguf_file(
 async def test_missing_hugging_face_repo_says_so(
     server: HttpsServer, paths: Paths, progress: list[DownloadProgress]
 ) -> None:
-    with hub_trusting(server), pytest.raises(ProvisionError) as failure:
+    with pytest.raises(ProvisionError) as failure:
         await ensure_model(
             engine_model("org/absent"),
             "vllm",
@@ -163,9 +162,9 @@ async def test_hugging_face_download_short_of_disk_names_the_shortfall(
     server: HttpsServer, paths: Paths, progress: list[DownloadProgress]
 ) -> None:
     serve_repo(server, "org/big", {"model.safetensors": os.urandom(3 * 1024 * 1024)}, commit=COMMIT)
-    options = ModelOptions(free_bytes=lambda _: 1024 * 1024, margin_bytes=0)
+    options = dataclasses.replace(OPTIONS, free_bytes=lambda _: 1024 * 1024)
 
-    with hub_trusting(server), pytest.raises(ProvisionError) as failure:
+    with pytest.raises(ProvisionError) as failure:
         await ensure_model(
             engine_model("org/big", weights_mib=3),
             "vllm",
@@ -206,7 +205,8 @@ async def test_local_file_with_wrong_hash_is_refused(
         )
 
     assert local.read_bytes() == GGUF
-    assert "not used" in failure.value.problem.message and "deleted" not in failure.value.problem.message
+    assert failure.value.problem.message.startswith(UNUSABLE_PATH)
+    assert GGUF_SHA not in failure.value.problem.message and "mine" not in failure.value.problem.message
 
 
 async def test_local_folder_for_vllm_and_its_gguf_for_llamacpp(
@@ -232,7 +232,7 @@ async def test_missing_local_path_is_a_clear_failure(
             engine_model(str(tmp_path / "nowhere")), "vllm", paths, Settings(), progress.append
         )
 
-    assert "does not exist" in failure.value.problem.message
+    assert failure.value.problem.message.startswith(UNUSABLE_PATH) and "nowhere" not in failure.value.problem.message
 
 
 async def test_least_recently_used_models_are_evicted_past_the_limit(
@@ -358,7 +358,7 @@ async def test_link_to_a_device_is_refused(tmp_path: Path, paths: Paths) -> None
 
     failure = await failure_of(engine_model(str(link)), "llamacpp", paths)
 
-    assert str(link) in failure.problem.message and "/dev" in failure.problem.message
+    assert failure.problem.message.startswith(UNUSABLE_PATH) and str(tmp_path) not in failure.problem.message
 
 
 async def test_fifo_is_refused_without_blocking(tmp_path: Path, paths: Paths) -> None:
@@ -367,7 +367,7 @@ async def test_fifo_is_refused_without_blocking(tmp_path: Path, paths: Paths) ->
 
     failure = await failure_of(engine_model(str(fifo)), "llamacpp", paths)
 
-    assert "device, pipe or socket" in failure.problem.message
+    assert failure.problem.message.startswith(UNUSABLE_PATH)
 
 
 async def test_fifo_named_gguf_in_a_folder_is_refused_without_blocking(tmp_path: Path, paths: Paths) -> None:
@@ -389,7 +389,7 @@ async def test_file_that_is_not_gguf_is_refused_and_the_error_quotes_none_of_it(
 
     failure = await failure_of(engine_model(str(secret)), "llamacpp", paths)
 
-    assert str(secret) in failure.problem.message and "GGUF" in failure.problem.message
+    assert failure.problem.message.startswith(UNUSABLE_PATH) and "passwd" not in failure.problem.message
     assert "SECRET-MARKER" not in str(failure) and "root:x" not in str(failure)
 
 
@@ -398,7 +398,7 @@ async def test_etc_passwd_is_refused_and_the_error_quotes_none_of_it(paths: Path
 
     failure = await failure_of(engine_model("/etc/passwd"), "llamacpp", paths)
 
-    assert "/etc/passwd" in failure.problem.message
+    assert failure.problem.message.startswith(UNUSABLE_PATH) and "passwd" not in failure.problem.message
     assert first_line[:12] not in str(failure)
 
 
@@ -418,7 +418,8 @@ async def test_folder_without_config_json_is_refused_for_vllm(tmp_path: Path, pa
 
     failure = await failure_of(engine_model(str(folder)), "vllm", paths)
 
-    assert str(folder) in failure.problem.message and "config.json" in failure.problem.message
+    assert failure.problem.message.startswith(UNUSABLE_PATH) and "config.json" in failure.problem.message
+    assert str(folder) not in failure.problem.message
 
 
 async def test_gguf_file_is_refused_for_vllm(tmp_path: Path, paths: Paths) -> None:
@@ -489,8 +490,7 @@ async def test_hugging_face_repo_announced_over_the_cap_is_refused_before_downlo
 ) -> None:
     serve_repo(server, "org/big", {"model.safetensors": os.urandom(3 * MIB)}, commit=COMMIT)
 
-    with hub_trusting(server):
-        failure = await failure_of(engine_model("org/big"), "vllm", paths, hf_endpoint=server.base_url)
+    failure = await failure_of(engine_model("org/big"), "vllm", paths, hf_endpoint=server.base_url)
 
     assert "nothing was downloaded" in failure.problem.message
     assert not server.requests_for(f"org/big/resolve/{COMMIT}/model.safetensors", "GET")
@@ -509,8 +509,7 @@ async def test_hugging_face_file_sending_more_than_announced_is_stopped_and_dele
             claimed_size=1000,
         )
 
-    with hub_trusting(server):
-        failure = await failure_of(engine_model("org/liar"), "vllm", paths, hf_endpoint=server.base_url)
+    failure = await failure_of(engine_model("org/liar"), "vllm", paths, hf_endpoint=server.base_url)
 
     assert failure.problem.title == "Download larger than expected"
     assert not list((paths.models_dir / "hf").glob("models--org--liar"))

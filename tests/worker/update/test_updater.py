@@ -11,14 +11,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tests.support.https_server import HttpsServer
+from tests.support.https_server import SERVED_HERE, HttpsServer
 from tests.worker.update import builds
 from worker import protocol
 from worker.config import Paths, Settings
+from worker.download_hosts import download_client
 from worker.events import DownloadProgress
 from worker.update import (
     DownloadPolicy,
@@ -85,7 +85,7 @@ class Rig:
             "public_key": RELEASE_KEY.public_key(),
             "running_version": "0.1.0",
             "platform_name": "linux-x86_64",
-            "client_factory": lambda: httpx.AsyncClient(verify=context),
+            "client_factory": lambda: download_client(SERVED_HERE, verify=context),
             "launch_args": ("--data-dir", str(self.paths.data_dir.parent)),
             "hello_timeout_s": 30.0,
             "idle_poll_s": 0.01,
