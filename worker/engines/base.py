@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 from worker.engines.allowlist import Allowlist
 from worker.events import EngineSnapshot, StartPhase
@@ -220,6 +220,31 @@ class EngineAdapter(Protocol):
 
     def normalise_version(self, version: str) -> str:
         """An assignment's `engine_version` as `shipped_versions` spells it."""
+
+
+Run = tuple[str, Sequence[str]]  # one argument list an engine may start with, and where it came from ("tier 24000")
+
+
+@dataclass(frozen=True)
+class Room:
+    """What one engine process may take, measured just before it starts: the memory the plan
+    judged it by (its cards, or the Mac's working set; None where it serves from RAM), the RAM
+    free now judged as a card's usable memory is (never more than the machine has), and the CPU
+    cores."""
+
+    device_mib: int | None
+    ram_mib: int
+    cores: int
+
+
+@runtime_checkable
+class StartCheck(Protocol):
+    """An adapter that can tell from the provisioned model and the arguments, before anything
+    starts, that a start would not fit this machine (an engine that allocates its whole cache at
+    start, as llama.cpp does); the node then refuses the assignment with that reason."""
+
+    def start_problem(self, model_path: str, runs: Sequence[Run], room: Room) -> str | None:
+        """Why one of `runs` would not fit `room` (what, and by how much), or None."""
 
 
 def clean_line(line: str) -> str:

@@ -1,6 +1,8 @@
 """What an accepted plan needs on the machine before its engines start: the model's files and the
-engine, each found or fetched; the engine plans rewritten to use them. Raises `ProvisionError`.
-`OfflineRetry` tries a provisioning the network cut short again by itself, later each time."""
+engine, each found or fetched; the engine plans rewritten to use them; and, where the engine can
+tell (`base.StartCheck`), that each start fits the memory and cores measured now. Raises
+`ProvisionError`. `OfflineRetry` tries a provisioning the network cut short again by itself, later
+each time."""
 
 from __future__ import annotations
 
@@ -11,10 +13,15 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from worker.config import Paths, Settings
-from worker.hardware import Machine
+from worker.engines.base import Room, Run, StartCheck
+from worker.events import Problem
+from worker.hardware import Machine, usable_mib
 from worker.plan import EnginePlan, Plan
 from worker.provision.engine_install import accelerator_of, cuda_version, ensure_engine, library_env
+from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.provision.progress import ProgressCallback
 from worker.restart_policy import RestartBackoff
@@ -27,8 +34,45 @@ async def provision(current: Plan, machine: Machine, paths: Paths, settings: Set
     """Model files (and, where missing, the engine) in place; the plans rewritten to use them."""
     executable, env = await _engine_executable(current, machine, paths, on_progress, engine_bins)
     path = await ensure_model(current.engine_model, current.engine, paths, settings, on_progress)
-    return [dataclasses.replace(ep, model=str(path), executable=executable, env={**ep.env, **env})
-            for ep in current.engines]
+    plans = [dataclasses.replace(ep, model=str(path), executable=executable, env={**ep.env, **env})
+             for ep in current.engines]
+    await asyncio.to_thread(check_room, plans, machine, settings)
+    return plans
+
+
+def check_room(plans: list[EnginePlan], machine: Machine, settings: Settings) -> None:
+    """Every argument list each engine may start with (its tier, then its fallbacks) fits the room
+    measured now, where its adapter can tell; else `ProvisionError` with the adapter's reason, so
+    nothing starts. RAM is what is free now and what the engines serving now hold (they stop
+    before the new ones start), never more than the machine has, judged as a card's usable memory
+    is (contract, Assignment: usable RAM). Blocking (reads the model's header): run in a thread."""
+    free_mib = min(machine.ram_mib, (psutil.virtual_memory().available + _held_by_engines()) // 2**20)
+    for ep in plans:
+        adapter = ep.adapter
+        if not isinstance(adapter, StartCheck):
+            continue
+        from_ram = not ep.gpu_indices and machine.runtime != "apple-silicon"
+        room = Room(None if from_ram else ep.memory_mib, usable_mib(free_mib, settings), machine.cpu_cores)
+        runs: list[Run] = [(_where(tier), args) for tier, args in ((ep.tier, ep.args), *ep.fallbacks)]
+        if reason := adapter.start_problem(ep.model, runs, room):
+            raise ProvisionError(Problem("Assignment refused", reason))
+
+
+def _held_by_engines() -> int:
+    """Bytes this app's child processes (its engines) hold on their own: resident less what is
+    shared with files (the model's mapped pages, which `available` already counts)."""
+    held = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            memory = child.memory_info()
+        except psutil.Error:
+            continue
+        held += max(0, memory.rss - getattr(memory, "shared", 0))
+    return held
+
+
+def _where(tier: str | None) -> str:
+    return "base_args" if tier is None else f"tier {tier}"
 
 
 async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_progress: ProgressCallback,

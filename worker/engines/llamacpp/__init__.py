@@ -1,6 +1,7 @@
 """llama.cpp's `llama-server`: the adapter. Its command line, environment, endpoints and planning
-are here; its log (`log.py`), arguments (`args.py`), /metrics names (`metrics.py`) and what it
-says once ready (`ready.py`) beside it.
+are here; its log (`log.py`), arguments (`args.py`), /metrics names (`metrics.py`), what it
+says once ready (`ready.py`), and whether a start fits the machine (`memory.py`, reading the
+model's header through `gguf.py`) beside it.
 
 Pure. Strings and flags follow `shared/reference/engines.md` part B; log lines are read from
 stderr, with or without `--log-prefix`/`--log-timestamps`.
@@ -11,9 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from worker.engines import layout
-from worker.engines.base import Endpoint, Launch, ModelFormat, cuda_environment
+from worker.engines.base import Endpoint, Launch, ModelFormat, Room, Run, cuda_environment
 from worker.engines.layout import Unit
 from worker.engines.llamacpp import args as llamacpp_args
+from worker.engines.llamacpp import memory
 from worker.engines.llamacpp.log import parse_line
 from worker.engines.llamacpp.metrics import NAMES as METRIC_NAMES
 from worker.engines.llamacpp.metrics import PREFIX as METRICS_PREFIX
@@ -98,6 +100,12 @@ def tier_warning(machine: Machine, gpu_indices: Sequence[int], tier: str | None,
     return None
 
 
+def start_problem(model_path: str, runs: Sequence[Run], room: Room) -> str | None:
+    """llama-server allocates its whole KV cache at start: a context, slot count, cache type,
+    prompt cache or thread count the machine cannot hold is refused before it starts (`memory.py`)."""
+    return memory.start_problem(model_path, runs, room)
+
+
 def find_installed(system: str, where: str | None, run: VersionRunner) -> EngineInstall:
     from worker.hardware.installed import find_llama_server  # hardware imports the engines: import when asked
 
@@ -123,5 +131,5 @@ __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "MEMORY_SHARE", "METRICS_PREFIX",
     "METRIC_NAMES", "MODEL_FORMAT", "NAME", "READY_READS", "RUNTIMES", "build_number", "capacity", "command",
     "derive_metrics", "environment", "find_installed", "normalise_version", "parse_line",
-    "ready_snapshot", "runtime_environment", "shipped_versions", "tier_warning", "units",
+    "ready_snapshot", "runtime_environment", "shipped_versions", "start_problem", "tier_warning", "units",
 ]
