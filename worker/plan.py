@@ -5,6 +5,10 @@ Pure: the rules of the protocol's Assignment section, applied to a `Machine`.
 - Engine by runtime: each engine's adapter (`worker.engines.registry`) names the runtimes it
   serves — vLLM `native`/`wsl2` (NVIDIA, compute capability ≥ 7.5), llama.cpp `apple-silicon`,
   `windows` and `cpu`; where several serve one, the first the assignment has a block for.
+- Sizes first (Assignment rule 4): at most 256 arguments in `base_args` and in each tier, 32
+  tiers, no argument over 64 KiB (a JSON value's limit; no other value comes near it), in every
+  engine block, before any other check; every later step is then linear in the frame's size (a
+  tier's args are joined to `base_args` only for the tier chosen and its fallbacks).
 - Safety first: every argument of `base_args` and of every tier must be on the engine's
   allowlist (`worker/engines/<engine>/args.py`), with a value of its type, before anything else is
   decided; then the engine version must be one the app ships, and the source one it may load. The
@@ -30,6 +34,8 @@ Pure: the rules of the protocol's Assignment section, applied to a `Machine`.
   a context that does not fit fails instead.
 - Runtime: the adapter's environment for the runtime (vLLM under WSL2: what keeps it starting
   there, engines.md A8).
+- Nothing escapes: an exception inside planning is logged and becomes a Refusal with its reason,
+  so a coordinator always hears why (the node runs `plan` in a thread, off its event loop).
 - Warnings (`Plan.warnings`, for the log): the adapter's, per tier (vLLM: a speculative-decoding
   tier that raises `--max-num-batched-tokens` above base, which a field report saw cut decode from
   109 to 19 tok/s).
@@ -37,21 +43,27 @@ Pure: the rules of the protocol's Assignment section, applied to a `Machine`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from worker import protocol
 from worker.config import Settings
 from worker.engines import EngineAdapter, get_adapter, registry
-from worker.engines.allowlist import Allowlist
+from worker.engines.allowlist import MAX_JSON_BYTES, Allowlist, utf8_length
 from worker.engines.base import Launch
 from worker.engines.layout import FIT_SHARE, Unit, fits
 from worker.hardware.model import Machine
 from worker.provision.releases import version_problem
 from worker.provision.sources import BadSource, check_source
 
+log = logging.getLogger(__name__)
+
 SHARE_STEPS = 1000  # vLLM's memory share is rounded down to 3 decimals
 DEFAULT_FIRST_PORT = 18100
+MAX_ARGS = 256  # in `base_args` and in each tier (contract, Assignment rule 4)
+MAX_TIERS = 32
+MAX_ARG_BYTES = MAX_JSON_BYTES  # the longest value any type takes is a JSON object
 
 Fallback = tuple[str | None, tuple[str, ...]]
 
@@ -131,11 +143,18 @@ class Plan:
 
 @dataclass(frozen=True)
 class _Option:
-    """`base_args` alone (threshold None) or with one tier's args, with the memory cap taken out."""
+    """`base_args` alone (threshold None) or with one tier's args, with the memory cap taken out.
+    The two lists stay apart until `args` is asked for (only the tiers a plan keeps), so planning
+    many tiers never copies `base_args` once per tier."""
 
     threshold: int | None
-    args: tuple[str, ...]
+    base: tuple[str, ...]
+    extra: tuple[str, ...]
     cap: float | None
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        return self.base + self.extra
 
     @property
     def tier(self) -> str | None:
@@ -158,7 +177,26 @@ def plan(
 
     `model_path` is where provisioning put the model (default: the source as given, which is what a
     fleet operator sees from `gpu-provider plan`); ports are `first_port`, `first_port + 1`, ….
+    Never raises: whatever goes wrong inside planning is a Refusal that names it.
     """
+    try:
+        return _plan(machine, assign, settings, first_port=first_port, model_path=model_path, executable=executable)
+    except Exception as exc:  # a bug must not cost the coordinator its answer, nor the node its task
+        log.exception("planning assignment %.80r failed", assign.assignment_id)
+        return Refusal(f"this app could not plan the assignment ({type(exc).__name__}); nothing was started")
+
+
+def _plan(
+    machine: Machine,
+    assign: protocol.Assign,
+    settings: Settings,
+    *,
+    first_port: int,
+    model_path: str | None,
+    executable: Sequence[str] | None,
+) -> Plan | Refusal:
+    if too_big := size_problem(assign.model):
+        return Refusal(too_big)
     chosen = choose_engine(machine, assign.model)
     if isinstance(chosen, Refusal):
         return chosen
@@ -214,6 +252,23 @@ def choose_engine(machine: Machine, model: protocol.ModelSpec) -> tuple[EngineAd
                    f"({machine.runtime}) runs ({names})")
 
 
+def size_problem(model: protocol.ModelSpec) -> str | None:
+    """Why an engine block is over the contract's sizes (Assignment rule 4), or None; checked
+    before anything else, so that no later check has more than these to read."""
+    for engine, block in model.engines.items():
+        if len(block.tiers) > MAX_TIERS:
+            return f"assignment too large: {engine} has {len(block.tiers):,} tiers (at most {MAX_TIERS})"
+        lists = [("base_args", block.base_args), *((f"tier {key}", args) for key, args in block.tiers.items())]
+        for where, args in lists:
+            if len(args) > MAX_ARGS:
+                return f"assignment too large: {engine} {where} has {len(args):,} arguments (at most {MAX_ARGS})"
+            for arg in args:
+                if (size := utf8_length(arg)) > MAX_ARG_BYTES:
+                    return (f"assignment too large: an argument in {engine} {where} is {size:,} bytes long "
+                            f"(at most {MAX_ARG_BYTES:,})")
+    return None
+
+
 def check_args(engine_model: protocol.EngineModel, allowlist: Allowlist, *, allow_remote_code: bool) -> str | None:
     """The first argument of `base_args` or of any tier the allowlist refuses, as a reason that starts
     `argument not allowed: FLAG` (or `value not allowed for FLAG`) and says where it was."""
@@ -227,13 +282,13 @@ def check_args(engine_model: protocol.EngineModel, allowlist: Allowlist, *, allo
 
 def _options(engine_model: protocol.EngineModel, allowlist: Allowlist) -> list[_Option]:
     """`base_args` alone, then base + each tier, lowest threshold first; engines take the last
-    occurrence of a flag, so the cap of base + tier is the tier's where it has one."""
-    base = list(engine_model.base_args)
-    options = [_Option(None, *allowlist.split_memory_cap(base))]
-    options += [
-        _Option(threshold, *allowlist.split_memory_cap(base + args))
-        for threshold, args in engine_model.tier_thresholds()
-    ]
+    occurrence of a flag, so the cap of base + tier is the tier's where it has one. Each list is
+    split on its own (each passed `check` alone, so no flag's value crosses from one to the next)."""
+    base, base_cap = allowlist.split_memory_cap(engine_model.base_args)
+    options = [_Option(None, base, (), base_cap)]
+    for threshold, args in engine_model.tier_thresholds():
+        extra, cap = allowlist.split_memory_cap(args)
+        options.append(_Option(threshold, base, extra, base_cap if cap is None else cap))
     return options
 
 

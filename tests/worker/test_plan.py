@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -8,6 +9,7 @@ import pytest
 from tests.worker.hardware.recorded import replay
 from worker import protocol
 from worker.config import Settings
+from worker.engines.allowlist import MAX_JSON_BYTES
 from worker.hardware import EngineInstall, GpuGroup, Machine
 from worker.plan import EnginePlan, Plan, Refusal, plan
 
@@ -470,3 +472,56 @@ def test_the_warning_is_given_once_for_many_engines_and_shown_in_the_plan_json()
 ])
 def test_no_warning_without_a_drafter_or_a_raised_budget(fixture, base, tier):
     assert warnings_for(fixture, base, tier) == ()
+
+
+# --- sizes (contract, Assignment rule 4): bounded before anything else, linear after -----------
+
+JSON_64_KIB = '{"mode": 3' + " " * (MAX_JSON_BYTES - 11) + "}"
+SWITCHES = ["--enforce-eager", "--no-enforce-eager"] * 127  # 254 arguments
+
+
+def test_an_assignment_at_every_size_limit_is_planned_within_2_s():
+    base = ["--compilation-config", JSON_64_KIB, *SWITCHES]
+    tiers = {str(1000 * (i + 1)): [*SWITCHES, "--max-num-seqs", str(i + 1)] for i in range(32)}
+    assert len(JSON_64_KIB) == MAX_JSON_BYTES and len(base) == 256 and all(len(t) == 256 for t in tiers.values())
+    started = time.perf_counter()
+    engine = only_engine(plan(replay("rtx4090.json"), assign(6000, vllm={"base_args": base, "tiers": tiers}),
+                              Settings()))
+    assert time.perf_counter() - started < 2
+    assert engine.tier == "20000" and engine.args == (*base, *tiers["20000"])
+    assert engine.fallbacks == (("19000", (*base, *tiers["19000"])), (None, tuple(base)))
+
+
+@pytest.mark.parametrize(("vllm", "reason"), [
+    ({"base_args": ["--enforce-eager"] * 257}, "vllm base_args has 257 arguments (at most 256)"),
+    ({"tiers": {"24000": ["--enforce-eager"] * 257}}, "vllm tier 24000 has 257 arguments (at most 256)"),
+    ({"tiers": {str(i): [] for i in range(33)}}, "vllm has 33 tiers (at most 32)"),
+    ({"base_args": ["--compilation-config", JSON_64_KIB + " "]},
+     "an argument in vllm base_args is 65,537 bytes long (at most 65,536)"),
+    ({"tiers": {"9": ["--max-model-len", "1" * 70_000]}}, "an argument in vllm tier 9 is 70,000 bytes long"),
+])
+def test_over_a_size_limit_the_assignment_is_refused_naming_it(vllm, reason):
+    result = plan(replay("rtx4090.json"), assign(6000, vllm=vllm), Settings())
+    assert isinstance(result, Refusal) and result.reason.startswith("assignment too large: ")
+    assert reason in result.reason
+
+
+def test_sizes_are_checked_first_and_in_every_engine_block():
+    """The llama.cpp block is not the one a 4090 would run, and the vLLM block's tier names a
+    refused flag: the size is still what is refused, before anything else is read."""
+    result = plan(replay("rtx4090.json"), assign(6000, vllm={"tiers": {"24000": ["--log-file", "/x"]}},
+                                                   llamacpp={"base_args": ["-cb"] * 300}), Settings())
+    assert isinstance(result, Refusal)
+    assert result.reason == "assignment too large: llamacpp base_args has 300 arguments (at most 256)"
+
+
+def test_a_failure_inside_planning_is_a_refusal_that_names_it(monkeypatch, caplog):
+    """Fault injection: whatever a step raises reaches the coordinator as a reason, never as a
+    dead task (a 5,000-deep JSON value once raised RecursionError out of `plan`)."""
+    def broken(engine: str, version: str | None) -> str | None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr("worker.plan.version_problem", broken)
+    result = plan(replay("rtx4090.json"), assign(6000), Settings())
+    assert result == Refusal("this app could not plan the assignment (RecursionError); nothing was started")
+    assert "planning assignment 'a-17' failed" in caplog.text and "maximum recursion depth" in caplog.text

@@ -5,6 +5,9 @@ files, opens listeners and imports code for flags the app never wants a coordina
 node accepts only the flags on its list, spelled exactly as listed, each with a value of its type
 (a number in range, one of some words, a JSON object with listed keys). There is deliberately no
 free-text type: a path, URL, host, module or template can never be a valid value.
+
+Every check is linear in the text it reads: a JSON value is measured (length, bracket depth) before
+it is parsed, so no value can make the parser recurse or the checks grow with its square.
 """
 
 from __future__ import annotations
@@ -24,12 +27,20 @@ _HUMAN_BINARY = re.compile(r"([0-9]{1,9})([KM])")
 _DECIMAL_FACTOR = {"k": 10**3, "m": 10**6}
 _BINARY_FACTOR = {"K": 2**10, "M": 2**20}
 SHOWN_LIMIT = 80  # characters of a refused value quoted back in a reason
+MAX_JSON_BYTES = 64 * 1024  # a JSON value's size, UTF-8 (contract, Assignment rule 4)
+MAX_JSON_DEPTH = 16  # brackets open at once in a JSON value (contract, Assignment rule 4)
 
 
 def shown(text: str) -> str:
     """`text` quoted safely for a reason: escapes made visible, long values cut."""
     quoted = repr(text)
     return quoted if len(quoted) <= SHOWN_LIMIT else quoted[: SHOWN_LIMIT - 4] + "…" + quoted[-1]
+
+
+def shown_json(value: object) -> str:
+    """A refused JSON value as JSON, cut like `shown` (a 64 KiB list must not become the reason)."""
+    text = json.dumps(value)
+    return text if len(text) <= SHOWN_LIMIT else text[: SHOWN_LIMIT - 1] + "…"
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,7 @@ class IntValue:
 
     def json_problem(self, value: object) -> str | None:
         if isinstance(value, bool) or not isinstance(value, int):
-            return f"{json.dumps(value)} is not a whole number"
+            return f"{shown_json(value)} is not a whole number"
         if not self.low <= value <= self.high:
             return f"{value} is out of range ({self.low} to {self.high})"
         return None
@@ -92,7 +103,7 @@ class FloatValue:
 
     def json_problem(self, value: object) -> str | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return f"{json.dumps(value)} is not a number"
+            return f"{shown_json(value)} is not a number"
         return None if self._in_range(float(value)) else f"{value} is out of range ({self.describe()})"
 
     def _in_range(self, number: float) -> bool:
@@ -120,7 +131,7 @@ class Choice:
 
     def json_problem(self, value: object) -> str | None:
         if isinstance(value, bool) or not any(type(value) is type(v) and value == v for v in self.values):
-            return f"{json.dumps(value)} is not {self.describe()}"
+            return f"{shown_json(value)} is not {self.describe()}"
         return None
 
     def describe(self) -> str:
@@ -139,6 +150,8 @@ class JsonObject:
     keys: Mapping[str, JsonValue]
 
     def problem(self, text: str) -> str | None:
+        if too_big := json_size_problem(text):
+            return too_big
         try:
             data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
         except ValueError as exc:
@@ -168,11 +181,54 @@ class Switch:
 ValueType = Union[IntValue, FloatValue, Choice, JsonObject, Switch]
 
 
+def utf8_length(text: str) -> int:
+    """`text`'s size in UTF-8 bytes (a lone surrogate, which a JSON frame can carry, is counted)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def json_size_problem(text: str) -> str | None:
+    """Why `text` is too big to parse as a JSON value (over `MAX_JSON_BYTES`, or brackets nested
+    over `MAX_JSON_DEPTH`), from one pass over it: checked before `json.loads`, whose time and
+    recursion grow with both."""
+    size = utf8_length(text)
+    if size > MAX_JSON_BYTES:
+        return f"a JSON value of {size:,} bytes is over the limit of {MAX_JSON_BYTES:,}"
+    if nests_deeper_than(text, MAX_JSON_DEPTH):
+        return f"a JSON value nested more than {MAX_JSON_DEPTH} deep is not accepted"
+    return None
+
+
+def nests_deeper_than(text: str, limit: int) -> bool:
+    """Whether `{` and `[` open more than `limit` deep in `text`, outside strings (escapes
+    followed): one pass, no parsing, so it is safe on any input."""
+    depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    keys = [key for key, _ in pairs]
-    duplicates = sorted({key for key in keys if keys.count(key) > 1})
-    if duplicates:
-        raise ValueError(f"key {duplicates[0]!r} appears twice")
+    """The object, or ValueError naming a key given twice (one pass: a set of the keys seen)."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice")
+        seen.add(key)
     return dict(pairs)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from worker.engines.allowlist import (
     Choice,
     FloatValue,
     IntValue,
+    MAX_JSON_BYTES,
     JsonObject,
     Switch,
     ValueType,
@@ -167,6 +169,45 @@ def test_choice_lists_are_exact_words_between_commas(text: str) -> None:
 def test_json_objects_have_listed_keys_with_typed_values(value: str, why: str) -> None:
     reason = refused(["--config", value])
     assert reason.startswith("value not allowed for --config: ") and why in reason
+
+
+def test_a_json_value_of_64_kib_passes_and_one_byte_more_is_refused_before_parsing() -> None:
+    at_limit = '{"n": 1' + " " * (MAX_JSON_BYTES - 8) + "}"
+    assert len(at_limit) == MAX_JSON_BYTES and SAMPLE.check(["--config", at_limit]) is None
+    over = at_limit[:-2] + "é}"  # the same length in characters, one byte more in UTF-8
+    assert refused(["--config", over]) == (
+        "value not allowed for --config: a JSON value of 65,537 bytes is over the limit of 65,536")
+
+
+@pytest.mark.parametrize("depth", [17, 5_000, 9_000])
+@pytest.mark.parametrize(("opening", "closing"), [("[", "]"), ('{"n": ', "}")])
+def test_json_nested_over_16_deep_is_refused_before_parsing(depth: int, opening: str, closing: str) -> None:
+    """`json.loads` recurses per level: 5,000 deep raised RecursionError out of the check."""
+    value = opening * depth + "1" + closing * depth
+    assert refused(["--config", value]) == (
+        "value not allowed for --config: a JSON value nested more than 16 deep is not accepted")
+
+
+def test_depth_counts_brackets_outside_strings_only() -> None:
+    sixteen = '{"n": ' + "[" * 15 + "1" + "]" * 15 + "}"
+    assert "nested" not in refused(["--config", sixteen])  # refused for its type, not its depth
+    in_strings = '{"method": "' + "[{" * 100 + '\\"' + "[" * 100 + '"}'
+    assert refused(["--config", in_strings]).startswith("value not allowed for --config: JSON key 'method': ")
+
+
+def test_a_refused_json_value_is_quoted_short() -> None:
+    reason = refused(["--config", '{"n": [' + ",".join(["12345"] * 5000) + "]}"])
+    assert reason.startswith("value not allowed for --config: JSON key 'n': [12345, ") and len(reason) < 200
+
+
+def test_duplicate_keys_are_found_in_one_pass() -> None:
+    """A 64 KiB object of distinct keys, one given twice at the end, is refused at once (the old
+    check counted every key against every other: quadratic)."""
+    keys = [f'"k{i}": 1' for i in range(5_500)]
+    value = "{" + ", ".join(keys + ['"k0": 1']) + "}"
+    started = time.perf_counter()
+    assert "key 'k0' appears twice" in refused(["--config", value])
+    assert time.perf_counter() - started < 2
 
 
 def test_remote_code_passes_only_where_allowed_and_its_negation_always() -> None:
