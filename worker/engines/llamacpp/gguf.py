@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Union
 
+from worker.engines.allowlist import shown
+
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 MAX_PAIRS = 65_536  # real models carry a few dozen
@@ -78,17 +80,17 @@ class _Reader:
     def header(self, keep: Callable[[str], bool]) -> Header:
         if self._take(4) != MAGIC:
             raise GgufError("the model file does not start with the GGUF magic")
-        version = self._scalar(4)
+        version = self._uint(4)
         if version not in VERSIONS:
             raise GgufError(f"GGUF version {version} is not one this app reads ({' or '.join(map(str, VERSIONS))})")
-        self._scalar(10)  # tensor count: the tensors are never read
-        pairs = self._scalar(10)
+        self._uint(10)  # tensor count: the tensors are never read
+        pairs = self._uint(10)
         if pairs > MAX_PAIRS:
             raise GgufError(f"the model file claims {pairs:,} metadata entries, more than {MAX_PAIRS:,}")
         values: dict[str, Value] = {}
         for _ in range(pairs):
             key = self._string(MAX_KEY_BYTES, "a metadata key")
-            kind = self._scalar(4)
+            kind = self._uint(4)
             if keep(key):
                 values[key] = self._value(kind, key)
             else:
@@ -99,13 +101,13 @@ class _Reader:
         if kind in _SCALARS:
             return self._scalar(kind)
         if kind == _STRING:
-            return self._string(MAX_STRING_BYTES, f"the value of {key}")
+            return self._string(MAX_STRING_BYTES, f"the value of {shown(key)}")
         if kind == _ARRAY:
-            element, length = self._scalar(4), self._scalar(10)
+            element, length = self._uint(4), self._uint(10)
             if element not in _INTEGERS or length > MAX_KEPT_ARRAY:
-                raise GgufError(f"{key} is not a short list of whole numbers")
-            return tuple(int(self._scalar(element)) for _ in range(length))
-        raise GgufError(f"{key} is of an unknown type ({kind})")
+                raise GgufError(f"{shown(key)} is not a short list of whole numbers")
+            return tuple(self._uint(element) for _ in range(length))
+        raise GgufError(f"{shown(key)} is of an unknown type ({kind})")
 
     def _skip_value(self, kind: int) -> None:
         if kind in _SCALARS:
@@ -113,7 +115,7 @@ class _Reader:
         elif kind == _STRING:
             self._skip(self._length(MAX_STRING_BYTES, "a string value"))
         elif kind == _ARRAY:
-            element, length = self._scalar(4), self._length(MAX_ARRAY_LENGTH, "an array")
+            element, length = self._uint(4), self._length(MAX_ARRAY_LENGTH, "an array")
             if element in _SCALARS:
                 self._skip(length * struct.calcsize(_SCALARS[element]))
             elif element == _STRING:
@@ -124,13 +126,17 @@ class _Reader:
         else:
             raise GgufError(f"a metadata value is of an unknown type ({kind})")
 
-    def _scalar(self, kind: int) -> int:
+    def _scalar(self, kind: int) -> int | float:
         form = _SCALARS[kind]
         (value,) = struct.unpack(form, self._take(struct.calcsize(form)))
-        return value  # type: ignore[no-any-return]
+        return value if isinstance(value, (int, float)) else int(value)
+
+    def _uint(self, kind: int) -> int:
+        """A whole number of an integer type (a count, a type tag, a kept list's element)."""
+        return int(self._scalar(kind))
 
     def _length(self, cap: int, what: str) -> int:
-        length = self._scalar(10)
+        length = self._uint(10)
         if length > cap:
             raise GgufError(f"{what} in the model file's header is {length:,} long, more than {cap:,}")
         return length

@@ -105,6 +105,17 @@ def test_a_kept_value_of_the_wrong_shape_is_refused(tmp_path: Path) -> None:
     long = head(1) + text("llama.attention.head_count_kv") + u32(9) + u32(4) + u64(5000) + bytes(20000)
     with pytest.raises(GgufError, match="not a short list"):
         read_header(file(tmp_path, long), EVERYTHING)
+    huge = head(1) + text("general.architecture") + u32(8) + u64(2**40)
+    with pytest.raises(GgufError, match="more than 16,777,216"):
+        read_header(file(tmp_path, huge), EVERYTHING)
+
+
+def test_a_key_quoted_in_a_reason_shows_its_control_characters(tmp_path: Path) -> None:
+    """Keys come from the file: one quoted in a reason (sent to the coordinator) is escaped."""
+    data = head(1) + text("x\nstatus: ok\x1b[2J") + u32(13)
+    with pytest.raises(GgufError) as raised:
+        read_header(file(tmp_path, data), EVERYTHING)
+    assert str(raised.value) == "'x\\nstatus: ok\\x1b[2J' is of an unknown type (13)"
 
 
 def test_the_header_is_held_to_its_size_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
