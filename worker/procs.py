@@ -5,7 +5,13 @@
 - Linux: the child asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG). The
   kernel fires it when the *thread* that forked exits, so `spawn` must be called from a thread
   that lives as long as the app: the core's asyncio loop thread, which is where the supervisor
-  runs. Windows: the child joins its own Job Object, which kills it when the app's handle closes.
+  runs. That covers the engine's own process only: vLLM's EngineCore and Worker processes are its
+  children and would be re-parented to init, holding the card. So on Linux and macOS each engine
+  also gets a guard: a tiny process forked from the app (before the engine starts) that holds the
+  read end of a pipe whose write end only the app has. When the app dies, however it dies, the
+  kernel closes that end; the guard reads EOF and SIGKILLs the engine's whole process group. A
+  stop that saw the group gone tells the guard so first, and it leaves quietly.
+  Windows: the child joins its own Job Object, which kills it when the app's handle closes.
 - Output (stdout and stderr, in order) goes through a reader thread to a per-run log file (the
   last few runs are kept) and to a callback, line by line, on the caller's loop.
 - A pid file per engine lets the next start reap an engine a killed app left behind; it is killed
@@ -28,9 +34,11 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 
@@ -222,6 +230,65 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
+class _Guard:
+    """The app's end of one engine's guard (see the module doc): `arm` names the engine's process
+    group, `release` ends the guard without a kill (the group is gone), `close` with one."""
+
+    def __init__(self) -> None:
+        read_fd, self._fd = os.pipe()
+        with warnings.catch_warnings():  # 3.12+ warns of fork with threads; the guard calls no lock-taking code
+            warnings.simplefilter("ignore", DeprecationWarning)
+            first = os.fork()
+        if first == 0:  # a middle child, so the guard is re-parented to init and nobody has to reap it
+            try:
+                if os.fork() == 0:
+                    _watch(read_fd)
+            finally:
+                os._exit(0)
+        os.close(read_fd)
+        os.waitpid(first, 0)
+
+    def arm(self, group: int) -> None:
+        os.write(self._fd, f"{group}\n".encode())
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._fd, _GUARD_STAND_DOWN)
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+_GUARD_STAND_DOWN = b"x"
+
+
+def _watch(read_fd: int) -> NoReturn:
+    """The guard: its own session (no terminal signal or app signal handler reaches it), nothing
+    of the app's held open but the pipe; on EOF, SIGKILL to the group named unless told to stand down."""
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.closerange(3, read_fd)
+        os.closerange(read_fd + 1, 1 << 20)
+        said = b""
+        while chunk := os.read(read_fd, 64):
+            said += chunk[: 64 - len(said)]
+        group, _, rest = said.partition(b"\n")
+        if group.isdigit() and rest != _GUARD_STAND_DOWN:
+            with contextlib.suppress(OSError):
+                os.killpg(int(group), signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
 class _WindowsJob:
     """One engine's Job Object, with kill-on-close: when the app exits, however it exits, Windows
     closes the handle and kills every process in the job. `terminate` is the forced stop.
@@ -297,9 +364,11 @@ class EngineProcess:
     """One running engine: its pid, its log, the tail of its output, and how it ended."""
 
     def __init__(self, popen: subprocess.Popen[bytes], log_path: Path, pid_path: Path | None,
-                 loop: asyncio.AbstractEventLoop, on_line: LineCallback | None, job: _WindowsJob | None = None):
+                 loop: asyncio.AbstractEventLoop, on_line: LineCallback | None, job: _WindowsJob | None = None,
+                 guard: _Guard | None = None):
         self._popen = popen
         self._job = job
+        self._guard = guard
         self.pid = popen.pid
         self.log_path = log_path
         self._pid_path = pid_path
@@ -365,11 +434,17 @@ class EngineProcess:
             await self._stop_windows(timing)
         else:
             _signal_group(self.pid, self._group, signal.SIGTERM)
-            if not await self._group_gone(timing.grace_s, timing.poll_s):
+            gone = await self._group_gone(timing.grace_s, timing.poll_s)
+            if not gone:
                 log.warning("engine pid %d ignored SIGTERM for %.0f s; killing it", self.pid, timing.grace_s)
                 _signal_group(self.pid, self._group, signal.SIGKILL)
-                if not await self._group_gone(timing.gone_s, timing.poll_s):
+                gone = await self._group_gone(timing.gone_s, timing.poll_s)
+                if not gone:
                     log.error("engine pid %d is still there after SIGKILL", self.pid)
+            if self._guard is not None and gone:
+                self._guard.release()
+            elif self._guard is not None:
+                self._guard.close()  # not gone: the guard sends its SIGKILL too
         if gpu_released is not None:
             await _wait_for(lambda: gpu_released(pids), timing.gpu_release_s, timing.poll_s)
         self._forget()
@@ -418,15 +493,23 @@ def spawn(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, pid_pa
     private_dir(log_path.parent)
     windows = os.name == "nt"
     linux = sys.platform.startswith("linux")
-    popen = subprocess.Popen(  # noqa: S603 - an argument list, never a shell
-        list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
-        start_new_session=not windows, preexec_fn=_die_with_parent(os.getpid()) if linux else None,
-        creationflags=subprocess.CREATE_NEW_PROCESS_GROUP if windows else 0,  # type: ignore[attr-defined]
-    )
+    guard = None if windows else _Guard()  # before the engine: no moment where it runs unguarded
+    try:
+        popen = subprocess.Popen(  # noqa: S603 - an argument list, never a shell
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
+            start_new_session=not windows, preexec_fn=_die_with_parent(os.getpid()) if linux else None,
+            creationflags=subprocess.CREATE_NEW_PROCESS_GROUP if windows else 0,  # type: ignore[attr-defined]
+        )
+    except BaseException:
+        if guard is not None:
+            guard.release()
+        raise
+    if guard is not None:
+        guard.arm(popen.pid)  # its own session: the group id is its pid
     job = _WindowsJob() if windows else None
     if job is not None:
         job.add(popen)
     if pid_path is not None:
         write_pid_file(pid_path, PidRecord.of(popen.pid, argv))
-    return EngineProcess(popen, log_path, pid_path, loop, on_line, job)
+    return EngineProcess(popen, log_path, pid_path, loop, on_line, job, guard)
 

@@ -1,5 +1,6 @@
-"""An engine never outlives the app: killed with it (PDEATHSIG), or reaped at the next start —
-and a stranger that inherited a recorded pid is never touched."""
+"""An engine never outlives the app: killed with it (PDEATHSIG, and its guard for the processes the
+engine started), or reaped at the next start — and a stranger that inherited a recorded pid is
+never touched."""
 
 from __future__ import annotations
 
@@ -77,6 +78,44 @@ def test_engine_dies_with_an_app_killed_by_sigkill(tmp_path: Path) -> None:
         assert os.getpgid(report["pid"]) != os.getpgid(app.pid)
         app.send_signal(signal.SIGKILL)
         assert wait_gone(engine), f"engine processes left behind: {[p for p in engine if not gone(p)]}"
+    finally:
+        app.kill()
+        app.wait()
+
+
+GRANDPARENT = textwrap.dedent("""
+    import asyncio, os, sys, threading
+    from pathlib import Path
+    from worker import procs
+
+    # An engine that starts a child of its own in its process group (as vLLM starts EngineCore and
+    # a Worker), spawned from a thread other than the main one (the desktop app's core loop is one).
+    ENGINE = ("import subprocess, sys, time; "
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+              "print(child.pid, flush=True); time.sleep(300)")
+
+    async def main(log):
+        engine = procs.spawn([sys.executable, "-c", ENGINE], env=dict(os.environ), log_path=Path(log))
+        while not engine.tail:
+            await asyncio.sleep(0.02)
+        print(engine.pid, engine.tail[0], flush=True)
+        await asyncio.sleep(3600)
+
+    core = threading.Thread(target=asyncio.run, args=(main(sys.argv[1]),))
+    core.start()
+    core.join()
+""")
+
+
+def test_an_engines_own_children_die_with_an_app_killed_by_sigkill(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG reaches the engine only; its children were re-parented to init and lived on."""
+    app = subprocess.Popen([sys.executable, "-c", GRANDPARENT, str(tmp_path / "engine.log")], cwd=REPO,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        engine, child = map(int, app.stdout.readline().split())
+        assert os.getpgid(child) == os.getpgid(engine) != os.getpgid(app.pid)
+        app.send_signal(signal.SIGKILL)
+        assert wait_gone([engine, child]), f"left behind: {[p for p in (engine, child) if not gone(p)]}"
     finally:
         app.kill()
         app.wait()
