@@ -44,8 +44,16 @@ def adapters() -> tuple[EngineAdapter, ...]:
 
 
 def for_runtime(runtime: str) -> tuple[EngineAdapter, ...]:
-    """The engines that serve machines of this runtime, in preference order."""
-    return tuple(adapter for adapter in _ADAPTERS.values() if runtime in adapter.RUNTIMES)
+    """The engines that serve machines of this runtime, in preference order: registration order,
+    except that one serving it only as a fallback (its `FALLBACK_RUNTIMES`: vLLM's CPU build on
+    `cpu`) comes after the others."""
+    serving = [adapter for adapter in _ADAPTERS.values() if runtime in adapter.RUNTIMES]
+    return tuple(sorted(serving, key=lambda adapter: runtime in _fallback_runtimes(adapter)))
+
+
+def _fallback_runtimes(adapter: EngineAdapter) -> frozenset[str]:
+    runtimes: frozenset[str] = getattr(adapter, "FALLBACK_RUNTIMES", frozenset())
+    return runtimes
 
 
 def display_name(name: str) -> str:

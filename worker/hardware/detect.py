@@ -28,6 +28,9 @@ def usable_mib(free_mib: int, settings: Settings) -> int:
     MiB free gives 27,715 MiB. The protocol's example is consistent with this: its GPU 0 shows
     23,980 MiB free (21,070 usable) while the group reports 20,600, the smaller figure of its
     second card, because a group reports its smallest member.
+
+    The same rule measures RAM for vLLM's CPU build (`Machine.engine_ram_usable_mib`): it reads its
+    memory flag as the share of RAM it may take, and refuses to start when that share is not free.
     """
     return max(0, int(free_mib * settings.gpu_memory_utilization) - settings.memory_reserve_mib)
 
@@ -78,6 +81,9 @@ def build_machine(
         cuda_version=reading.cuda_version,
         chip=facts.apple.chip if facts.apple else None,
         problems=tuple(problems),
+        engine_ram_mib=facts.engine_ram_mib,
+        engine_ram_usable_mib=None if facts.engine_ram_free_mib is None else usable_mib(facts.engine_ram_free_mib,
+                                                                                      settings),
     )
 
 

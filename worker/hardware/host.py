@@ -43,6 +43,10 @@ class HostFacts:
     cpu_cores: int
     ram_mib: int
     apple: AppleFacts | None = None
+    # The RAM an engine on the CPU sees as vLLM's CPU build measures it (its NUMA node's, held to
+    # the cgroup's limit): total and free now; None where not read (a recorded machine).
+    engine_ram_mib: int | None = None
+    engine_ram_free_mib: int | None = None
 
     @property
     def os(self) -> str:
@@ -68,7 +72,13 @@ class HostFacts:
             cpu_cores=int(data.get("cpu_cores", 1)),  # type: ignore[call-overload]
             ram_mib=int(data["ram_mib"]),  # type: ignore[call-overload]
             apple=AppleFacts(**apple) if isinstance(apple, dict) else None,
+            engine_ram_mib=_optional_int(data.get("engine_ram_mib")),
+            engine_ram_free_mib=_optional_int(data.get("engine_ram_free_mib")),
         )
+
+
+def _optional_int(value: object) -> int | None:
+    return None if value is None else int(value)  # type: ignore[call-overload]
 
 
 def run_quietly(argv: list[str], timeout_s: float) -> str | None:
@@ -85,6 +95,7 @@ def read_host(run: Runner = run_quietly) -> HostFacts:
     system = platform.system()
     machine = platform.machine()
     apple = _read_apple(run) if system == "Darwin" and machine == "arm64" else None
+    engine_ram, engine_ram_free = read_engine_ram()
     return HostFacts(
         system=system,
         machine=machine,
@@ -93,7 +104,69 @@ def read_host(run: Runner = run_quietly) -> HostFacts:
         cpu_cores=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
         ram_mib=psutil.virtual_memory().total // MIB,
         apple=apple,
+        engine_ram_mib=engine_ram // MIB,
+        engine_ram_free_mib=engine_ram_free // MIB,
     )
+
+
+SYSFS = Path("/sys")
+# (limit, usage) of cgroup v2, then v1, under SYSFS
+_CGROUP_LIMITS = (("fs/cgroup/memory.max", "fs/cgroup/memory.current"),
+                  ("fs/cgroup/memory/memory.limit_in_bytes", "fs/cgroup/memory/memory.usage_in_bytes"))
+_NO_LIMIT = 1 << 62  # cgroup v1's "unlimited" is a number near the page counter's maximum
+
+
+def read_engine_ram(sysfs: Path = SYSFS) -> tuple[int, int]:
+    """(total, free) bytes as vLLM's CPU build measures them (`vllm/utils/cpu_resource_utils.py`
+    `get_memory_node_info`, 0.32): the NUMA node of the first CPU this process may run on, its free
+    memory plus the file cache and reclaimable slab, both held to the cgroup's limit; the whole
+    machine's where there are no nodes (macOS, some boards). Its start-up check compares the share
+    it is given of this total with this free figure, so the app measures the same."""
+    node = _first_cpu_node(sysfs)
+    info = _node_meminfo(sysfs, node) if node is not None else None
+    if info is None:
+        memory = psutil.virtual_memory()
+        total, free = int(memory.total), int(memory.available)
+    else:
+        total = info["MemTotal"]
+        free = info["MemFree"] + info["Active(file)"] + info["Inactive(file)"] + info["SReclaimable"]
+    limits = ((_read_int(sysfs / limit), sysfs / usage) for limit, usage in _CGROUP_LIMITS)
+    limit, usage = next(((limit, usage) for limit, usage in limits if limit is not None), (None, None))
+    if limit is not None and usage is not None and limit < min(total, _NO_LIMIT):
+        total, free = limit, max(0, min(free, limit - (_read_int(usage) or 0)))
+    return total, free
+
+
+def _first_cpu_node(sysfs: Path) -> int | None:
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    first = min(os.sched_getaffinity(0), default=0)
+    links = sorted((sysfs / "devices" / "system" / "cpu" / f"cpu{first}").glob("node[0-9]*"))
+    return int(links[0].name[4:]) if links else None
+
+
+def _node_meminfo(sysfs: Path, node: int) -> dict[str, int] | None:
+    """`Node 0 MemTotal: 97421888 kB` lines as bytes by key; None where the file or a key is missing."""
+    try:
+        text = (sysfs / "devices" / "system" / "node" / f"node{node}" / "meminfo").read_text(
+            encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    info = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[3].isdigit():
+            info[parts[2].rstrip(":")] = int(parts[3]) * 1024
+    needed = ("MemTotal", "MemFree", "Active(file)", "Inactive(file)", "SReclaimable")
+    return info if all(key in info for key in needed) else None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _kernel_release() -> str:

@@ -86,6 +86,11 @@ class Machine:
     cuda_version: str | None = None
     chip: str | None = None
     problems: tuple[str, ...] = ()
+    # The RAM an engine on the CPU is judged by (vLLM's CPU build): the total it takes its share of,
+    # and what of it is usable now, measured as a card's is (`detect.usable_mib`). Not on the wire:
+    # None for a machine read back from `detect` JSON.
+    engine_ram_mib: int | None = None
+    engine_ram_usable_mib: int | None = None
 
     def to_detect_json(self) -> dict[str, Any]:
         """The `platform`, `hardware` and `engines` parts of `hello`, as plain JSON.

@@ -54,7 +54,7 @@ def test_the_built_in_engines_are_registered_in_preference_order() -> None:
     assert registry.names() == ("vllm", "llamacpp")
     assert get_adapter("vllm") is vllm and get_adapter("llamacpp") is llamacpp
     assert [a.NAME for a in registry.for_runtime("native")] == ["vllm"]
-    assert [a.NAME for a in registry.for_runtime("cpu")] == ["llamacpp"]
+    assert [a.NAME for a in registry.for_runtime("cpu")] == ["llamacpp", "vllm"]  # vLLM's CPU build: a fallback
     assert (registry.display_name("vllm"), registry.display_name("llamacpp")) == ("vLLM", "llama.cpp")
 
 
@@ -128,10 +128,10 @@ def test_plan_picks_the_first_engine_of_the_runtime_that_the_model_has_a_block_f
     assert machine.runtime == "cpu"
     both = plan(machine, parsed(toy=TOY_BLOCK, llamacpp=GGUF_BLOCK), Settings())
     assert isinstance(both, Plan) and both.engine == "llamacpp"  # registered first: unchanged
-    neither = plan(machine, parsed(vllm={"source": "org/m", "weights_mib": 1}), Settings())
-    assert isinstance(neither, Refusal)
-    assert neither.reason == ("model 'toy-model' has a build for none of the engines this machine's runtime "
-                              "(cpu) runs (llamacpp, toy)")
+    assert [a.NAME for a in registry.for_runtime("cpu")] == ["llamacpp", "toy", "vllm"]
+    vllm_only = plan(machine, parsed(vllm={"source": "org/m", "weights_mib": 1}), Settings())
+    assert isinstance(vllm_only, Refusal)  # vLLM's CPU build comes last, and this machine has none
+    assert vllm_only.reason == vllm.planning.NO_CPU_BUILD
     refused = plan(machine, parsed(toy={**TOY_BLOCK, "base_args": ["--threads", "2"]}), Settings())
     assert isinstance(refused, Refusal) and refused.reason.startswith("argument not allowed: --threads (in base_args)")
 

@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 NAME = "vllm"
 DISPLAY_NAME = "vLLM"
 ARGS_TITLE = "vLLM 0.33 (`vllm serve`)"
-RUNTIMES: frozenset[str] = frozenset({"native", "wsl2"})  # NVIDIA on Linux, or inside WSL2 on Windows
+# NVIDIA on Linux, or inside WSL2 on Windows; its CPU build on `cpu`, where it is installed.
+RUNTIMES: frozenset[str] = frozenset({"native", "wsl2", "cpu"})
+# Runtimes it serves only for a model with no block for the others (contract: llama.cpp first on `cpu`).
+FALLBACK_RUNTIMES: frozenset[str] = frozenset({"cpu"})
 MODEL_FORMAT: ModelFormat = "folder"
 MEMORY_SHARE = True  # `--gpu-memory-utilization`: its start-up check fails on a card the desktop holds
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("vllm",)
@@ -45,7 +48,7 @@ ENDPOINTS: Mapping[str, Endpoint] = {
 # Inherited variables that would change the API key, the log format we parse, or open dev endpoints.
 _DROPPED_ENV = frozenset(
     {"VLLM_API_KEY", "VLLM_PORT", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING",
-     "VLLM_SERVER_DEV_MODE"}
+     "VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE"}  # the last: a KV size that skips the CPU build's memory check
 )
 
 
@@ -103,7 +106,8 @@ def normalise_version(version: str) -> str:
 
 
 __all__ = [
-    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "MEMORY_SHARE", "METRICS_PREFIX",
+    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FALLBACK_RUNTIMES", "MEMORY_SHARE",
+    "METRICS_PREFIX",
     "METRIC_NAMES", "MODEL_FORMAT", "NAME", "READY_READS", "RUNTIMES", "capacity", "command", "derive_metrics",
     "environment", "find_installed", "normalise_version", "parse_line", "ready_snapshot",
     "runtime_environment", "serves_group", "shipped_versions", "tier_warning", "units",

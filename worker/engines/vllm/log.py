@@ -29,7 +29,7 @@ from worker.engines.base import (
 )
 
 _PREFIX = re.compile(
-    r"^.*?\((?:\w+) pid=\d+\) (?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\] )?"
+    r"^.*?\((?:[\w-]+) pid=\d+\) (?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\] )?"
 )
 _VERSION = re.compile(r"vLLM (?:API )?server version (\d+\.\d+\.\d+[^\s,]*)|\s{2}version (\d+\.\d+\.\d+\S*)\s*$")
 _MAX_MODEL_LEN = re.compile(r"Using max model len (\d+)")
@@ -54,7 +54,12 @@ _OOM = re.compile(
     r"No available memory for the cache blocks|not enough GPU memory|Cannot auto-fit max_model_len"
 )
 # The refusal only (A3); a healthy start's INFO hint "Free memory on device (…) on startup. Desired …" is not one.
-_FREE_MEMORY = re.compile(r"Free memory on device .*? on startup is less than desired GPU memory utilization")
+# The CPU build's (0.32, `v1/worker/cpu_worker.py`) measures its NUMA node's RAM, at start-up and again
+# when it allocates the KV cache.
+_FREE_MEMORY = re.compile(
+    r"Free memory on device .*? on startup is less than desired GPU memory utilization|"
+    r"Available memory on node \d+ .*? is less than (?:desired CPU memory utilization|requested memory for kv)"
+)
 _FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed")
 
 

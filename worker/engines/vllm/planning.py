@@ -1,5 +1,5 @@
-"""Where vLLM runs and how a plan for it is shaped: the cards it can use, its layout over them,
-what it needs under WSL2, and the tier settings known to slow it down.
+"""Where vLLM runs and how a plan for it is shaped: the cards it can use (or RAM, for its CPU
+build), its layout over them, what it needs under WSL2, and the tier settings known to slow it down.
 
 Pure: rules over a `Machine` and argument lists.
 """
@@ -11,13 +11,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from worker.engines import layout
-from worker.engines.layout import Unit
+from worker.engines.layout import Unit, capped, fits
 
 if TYPE_CHECKING:
-    from worker.hardware.model import GpuGroup, Machine
+    from worker.hardware.model import EngineInstall, GpuGroup, Machine
 
 MIN_COMPUTE_CAPABILITY = (7, 5)
 NO_CARD = "no lent NVIDIA GPU here has compute capability 7.5 or newer, which vLLM needs"
+NO_CPU_BUILD = ("this computer has no graphics card vLLM can use, and vLLM's CPU version is not installed; "
+                "a model for this computer needs a llama.cpp build")
 
 
 def serves_group(group: GpuGroup) -> bool:
@@ -28,16 +30,46 @@ def serves_group(group: GpuGroup) -> bool:
     return (int(major), int(minor or 0)) >= MIN_COMPUTE_CAPABILITY
 
 
+def is_cpu_build(install: EngineInstall | None) -> bool:
+    """vLLM's CPU build: a version tagged `+cpu`, which vLLM itself takes for the CPU platform."""
+    return install is not None and "cpu" in (install.version or "")
+
+
 def units(machine: Machine, weights_mib: int, cap: float | None) -> list[Unit] | str:
-    """Tensor-parallel or one replica per card, over the groups whose cards vLLM can use."""
+    """Tensor-parallel or one replica per card, over the groups whose cards vLLM can use; on a
+    `cpu` machine with the CPU build, one process over RAM."""
+    if machine.runtime == "cpu":
+        return _ram_units(machine, weights_mib, cap)
     groups = [g for g in machine.groups if serves_group(g)]
     if not groups:
         return NO_CARD
     return layout.per_card_units(machine, groups, weights_mib, cap)
 
 
+def _ram_units(machine: Machine, weights_mib: int, cap: float | None) -> list[Unit] | str:
+    """One process over the RAM measured as usable (judged like a card: held to `cap` × total)."""
+    if not is_cpu_build(machine.engines.get("vllm")):
+        return NO_CPU_BUILD
+    usable, total = _engine_ram(machine)
+    unit = Unit((), "single", usable, total)
+    return [unit] if fits(weights_mib, unit.judged_mib(cap)) else []
+
+
+def _engine_ram(machine: Machine) -> tuple[int, int]:
+    """(usable, total) as measured at detection; all of RAM for a machine read back from `detect`
+    JSON, which carries no such reading."""
+    total = machine.engine_ram_mib or machine.ram_mib
+    usable = machine.engine_ram_usable_mib
+    return (total if usable is None else usable), total
+
+
 def capacity(machine: Machine, cap: float | None) -> str:
-    return layout.per_card_capacity(machine, cap)
+    if machine.runtime != "cpu":
+        return layout.per_card_capacity(machine, cap)
+    usable, total = _engine_ram(machine)
+    judged = capped(usable, total, cap)
+    held = f", held to the assignment's memory cap of {cap:g}" if judged < usable else ""
+    return f"{judged:,} MiB of the RAM free now{held}"
 
 
 _VERSION_PREFIX = re.compile(r"v?(\d+)\.(\d+)")
