@@ -1,6 +1,7 @@
 """The node's engines: one `EngineSupervisor` per engine of the current plan, started together on
 free ports and stopped together; where the relay may send requests, and which processes on the
-machine are the app's."""
+machine are the app's. The crashes requests caused are counted here, for the node's whole run
+(every supervisor, the ones a Retry or a new assignment starts too, shares one `RequestCrashes`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from worker.gpu_watch import GpuWatch
 from worker.plan import EnginePlan
 from worker.ports import free_first_port
 from worker.relay import EngineTarget
-from worker.restart_policy import Ended, RestartBackoff, SupervisorTiming
+from worker.restart_policy import Ended, RequestCrashes, RestartBackoff, SupervisorTiming
 from worker.supervise import EngineSupervisor, EventCallback, Remeasure
 
 
@@ -35,6 +36,7 @@ class EngineSet:
         self._supervisors: dict[str, EngineSupervisor] = {}
         self.timing, self.backoff = SupervisorTiming(), RestartBackoff()  # each new supervisor's (tests shorten them)
         self._http: httpx.AsyncClient | None = None
+        self.request_crashes = RequestCrashes()
 
     def __len__(self) -> int:
         return len(self._supervisors)
@@ -70,7 +72,7 @@ class EngineSet:
         gpu_released = self._gpus.released if self._gpus.nvml is not None else None
         sup = EngineSupervisor(engine_plan, paths=self._paths, on_event=self._on_event, http=self._http,
                                gpu_released=gpu_released, remeasure=self._remeasure, timing=self.timing,
-                               backoff=self.backoff)
+                               backoff=self.backoff, request_crashes=self.request_crashes)
         self._supervisors[engine_plan.engine_id] = sup
         await sup.start()
 
@@ -88,13 +90,14 @@ class EngineSet:
 
     def problem(self) -> Problem | None:
         """The first engine that gave up, or that starts again after failing, in a person's words;
-        None while every engine serves or starts for the first time."""
+        None while every engine serves or starts for the first time, or starts again at once
+        after a request crashed it (the caller's doing: nothing for the person to act on)."""
         for sup in list(self._supervisors.values()):
             snap = sup.snapshot()
             ended = sup.last_ended or Ended("crashed", snap.last_error or "", 0.0, False)
             if snap.state == "failed":
                 return engine_problem(snap.engine, ended, gave_up=True)
-            restarting = snap.failures_in_a_row > 0 or ended.kind == "free_memory"
+            restarting = (snap.failures_in_a_row > 0 and not ended.by_request) or ended.kind == "free_memory"
             if snap.state == "starting" and sup.last_ended is not None and restarting:
                 return engine_problem(snap.engine, ended, gave_up=False, retry_at=snap.retry_at)
         return None

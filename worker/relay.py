@@ -6,7 +6,7 @@ Every request the relay accepts ends with exactly one terminal message (`respons
 that message. The one exception is a coordinator that is gone: then the engine request is
 closed (so no GPU time goes to an answer nobody will receive) and nothing is sent.
 
-Which requests may reach an engine (paths, media by URL), which are generations, the body an
+Which requests may reach an engine (paths, media by URL, bounded sizes), which are generations, the body an
 engine is sent and the reading of its answer are `worker.relay_body`'s rules. The relay decides
 once, on accepting a request, whether it is a generation; only generations reach its hooks.
 
@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from pydantic import BaseModel
@@ -33,10 +33,13 @@ from worker.loopback_http import LoopbackClient, LoopbackHTTPError, Response
 from worker.relay_body import (
     StreamFilter,
     asks_stream,
+    beyond_context,
+    constrained,
     engine_body,
     engine_headers,
     is_generation,
     media_by_url,
+    unbounded,
     unrelayable,
 )
 
@@ -79,6 +82,11 @@ class EngineTarget:
     api_key: str
     served_model_name: str
     socket_path: str | None = None  # the engine's Unix socket, when it listens on one
+    context: int | None = None  # the tokens one request may use; None while not known
+    constraints_refused: str | None = None  # why constrained decoding is refused now, or None
+    # Told +1 when a request (any path) is handed to this engine and -1 when it is done with it:
+    # the supervisor tells a crash a request caused from an engine that broke by itself.
+    on_load: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
 
 
 class RelayHooks:
@@ -227,10 +235,14 @@ class Relay:
                 code="duplicate_request", message=f"request {request.id!r} is already in flight", ref=request.id
             ))
         target = min(self._ready_targets(), key=lambda t: self._by_engine.get(t.engine_id, 0))
+        refusal = self._engine_refusal(request, target)
+        if refusal is not None:
+            return self._reply(outlet, refusal)
         hooks = self._hooks if is_generation(request.method, request.path) else _NO_HOOKS
         job = _Job(request, outlet, target, hooks)
         self._jobs[request.id] = job
         self._by_engine[target.engine_id] = self._by_engine.get(target.engine_id, 0) + 1
+        _tell_load(target, 1)
         job.task = asyncio.create_task(self._serve(job), name=f"relay-{request.id}")
         job.task.add_done_callback(lambda _task: self._settle_unstarted(job))
         return job.task
@@ -301,7 +313,7 @@ class Relay:
             self._refusing = None
 
     def _refusal(self, request: protocol.Request) -> protocol.ResponseError | None:
-        problem = unrelayable(request.method, request.path) or media_by_url(request.body)
+        problem = unrelayable(request.method, request.path) or media_by_url(request.body) or unbounded(request.body)
         if problem is not None:
             return protocol.ResponseError(id=request.id, status=400, code="bad_request", message=problem)
         code = self._refusing or self._gate()
@@ -310,6 +322,17 @@ class Relay:
         if code is not None:
             return protocol.ResponseError(id=request.id, status=503, code=code, message=_GATE_MESSAGES[code])
         return None
+
+    @staticmethod
+    def _engine_refusal(request: protocol.Request, target: EngineTarget) -> protocol.ResponseError | None:
+        """What the chosen engine cannot take: more tokens than its context, or constrained
+        decoding where the node has stopped accepting it."""
+        problem = beyond_context(request.body, target.context)
+        if problem is None and target.constraints_refused is not None and constrained(request.body):
+            problem = target.constraints_refused
+        if problem is None:
+            return None
+        return protocol.ResponseError(id=request.id, status=400, code="bad_request", message=problem)
 
     async def _serve(self, job: _Job) -> None:
         request, engine_id = job.request, job.target.engine_id
@@ -398,12 +421,18 @@ class Relay:
     def _forget(self, job: _Job) -> None:
         self._jobs.pop(job.request.id, None)
         self._by_engine[job.target.engine_id] -= 1
+        _tell_load(job.target, -1)
 
     def _report_end(self, job: _Job, usage: protocol.Usage | None, ok: bool) -> None:
         try:
             job.hooks.on_end(job.request.id, job.target.engine_id, self._clock(), usage, ok)
         except Exception:
             log.exception("a relay hook failed at the end of request %s", job.request.id)
+
+
+def _tell_load(target: EngineTarget, change: int) -> None:
+    if target.on_load is not None:
+        target.on_load(change)
 
 
 async def _deliver(job: _Job, message: BaseModel) -> None:

@@ -5,6 +5,11 @@ A body that gives media by URL (`image_url: "http://192.168.1.1/…"`) is refuse
 reaches the engine, which would otherwise fetch it from the provider's home network: media come
 inline, as `data:` URLs.
 
+A body's constraints are bounded too (`unbounded`, `beyond_context`; contract, Relay, "Bounded
+requests"): an engine compiles a grammar, a JSON schema or a regex recursively, and one nested
+deep enough crashes it (llama-server fell to a grammar 20,000 parentheses deep, 40 kB). Each
+check is one linear pass over what it reads, and sizes are checked before nesting is counted.
+
 `StreamFilter` cuts an event stream at SSE event boundaries (so a multi-byte character is never
 split), looks for `"usage"` with one substring search over the whole block, and splits into events
 only the tail from there on (the whole backlog, split per event, cost a quarter of the node's CPU).
@@ -16,6 +21,7 @@ import codecs
 import json
 import logging
 import re
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
@@ -38,6 +44,26 @@ _URL_KEYS = frozenset({"url", "image_url", "audio_url", "video_url", "file_url"}
 _MEDIA_OBJECTS = frozenset({"input_audio", "file"})
 _URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
 MAX_BODY_DEPTH = 64
+MAX_CONSTRAINT_BYTES = 64 * 1024
+MAX_CONSTRAINT_NESTING = 128
+MAX_CONSTRAINTS_BYTES = 1 << 20  # all of a request's together: their checks stay within milliseconds
+MAX_CHOICES = 16
+MAX_LOGPROBS = 20
+MAX_TOOLS = 128  # OpenAI's own limit; each tool's parameters are a constraint of up to 64 KiB
+# Where the engines take a grammar, a JSON schema or a regex (llama-server's and vLLM's request
+# parsers): each key's whole value is one constraint; each tool's parameters become one too.
+_CONSTRAINT_KEYS = ("grammar", "json_schema", "response_format", "grammar_triggers", "structured_outputs",
+                    "guided_json", "guided_regex", "guided_grammar", "guided_choice", "guided_whitespace_pattern")
+_CHOICE_KEYS = ("n", "n_cmpl", "best_of")  # answers generated for one request
+_LOGPROB_KEYS = ("n_probs", "top_logprobs", "logprobs")  # completions' `logprobs` is a count; chat's a bool
+_LENGTH_KEYS = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
+_ESCAPED = re.compile(rb"\\.", re.DOTALL)
+_ONE_KIND = bytes.maketrans(b"[{]}", b"(())")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"()[]{}")
+_RUNS = re.compile(rb"\(+|\)+")
+_OPEN = ord("(")
+_PAIR_PASSES = 8
+_PLAIN_FORMATS = (None, "text")  # a `response_format` / `text.format` that constrains nothing
 
 
 class StreamFilter:
@@ -201,6 +227,134 @@ def _fetched(text: str, url_key: bool, in_media: bool) -> bool:
     if stripped[:5].lower() == "data:":
         return False
     return url_key or (in_media and _URL_SCHEME.match(stripped) is not None and "://" in stripped)
+
+
+def unbounded(body: Any) -> str | None:
+    """Why `body` asks more of an engine than any request may, whatever the engine, or None
+    (pure): a constraint over `MAX_CONSTRAINT_BYTES` or nesting brackets deeper than
+    `MAX_CONSTRAINT_NESTING`, all of them over `MAX_CONSTRAINTS_BYTES`, more than `MAX_TOOLS` tools, more than `MAX_CHOICES` answers, or
+    more than `MAX_LOGPROBS` log-probabilities a token. Expects a body no deeper than
+    `MAX_BODY_DEPTH` (`media_by_url`)."""
+    if not isinstance(body, dict):
+        return None
+    tools = body.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        return f"the request gives {len(tools)} tools; this node takes at most {MAX_TOOLS} a request"
+    budget = MAX_CONSTRAINTS_BYTES
+    for name, value in _constraints(body):
+        problem, budget = _constraint_problem(name, value, budget)
+        if problem is not None:
+            return problem
+    choices = _over(body, _CHOICE_KEYS, MAX_CHOICES)
+    if choices is not None:
+        return f"the request asks for {choices} answers at once; this node gives at most {MAX_CHOICES} a request"
+    logprobs = _over(body, _LOGPROB_KEYS, MAX_LOGPROBS)
+    if logprobs is not None:
+        return (f"the request asks for {logprobs} log-probabilities a token; "
+                f"this node gives at most {MAX_LOGPROBS}")
+    return None
+
+
+def beyond_context(body: Any, context: int | None) -> str | None:
+    """Why `body` asks for more tokens than the engine's context holds, or None; None too where
+    the context is not known."""
+    if context is None or not isinstance(body, dict):
+        return None
+    asked = _over(body, _LENGTH_KEYS, context)
+    if asked is None:
+        return None
+    return (f"the request asks for up to {asked} tokens, more than this engine's context of {context} tokens; "
+            f"ask for {context} or fewer")
+
+
+def constrained(body: Any) -> bool:
+    """Whether `body` asks for constrained decoding: a grammar, a JSON schema or format, a regex,
+    a set of choices, or tools the engine may have to call."""
+    if not isinstance(body, dict):
+        return False
+    for name, value in _constraints(body):
+        if name.startswith("tools["):
+            if body.get("tool_choice") != "none":
+                return True
+        elif name in ("response_format", "text.format"):
+            if not isinstance(value, dict) or value.get("type") not in _PLAIN_FORMATS:
+                return True
+        elif value not in ("", []):  # an empty schema ({}) still means "any JSON object"
+            return True
+    return False
+
+
+def _constraints(body: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Each constraint in `body` and what to call it in a refusal."""
+    for key in _CONSTRAINT_KEYS:
+        if body.get(key) is not None:
+            yield key, body[key]
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        for i, tool in enumerate(tools):
+            yield f"tools[{i}]", tool
+    text = body.get("text")  # the responses API's `text.format`
+    if isinstance(text, dict) and text.get("format") is not None:
+        yield "text.format", text["format"]
+
+
+def _constraint_problem(name: str, value: Any, budget: int) -> tuple[str | None, int]:
+    """Why constraint `value` is refused, or None; and the bytes the request's constraints may
+    still take after it."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) > MAX_CONSTRAINT_BYTES:
+        return (f"the request's {name} is {len(data):,} bytes; this node takes constraints "
+                f"(grammars, JSON schemas, regexes, tools) of at most {MAX_CONSTRAINT_BYTES // 1024} KiB"), 0
+    budget -= len(data)
+    if budget < 0:
+        return (f"the request's constraints (grammars, JSON schemas, regexes, tools) come to more than "
+                f"{MAX_CONSTRAINTS_BYTES // 1024} KiB together; this node takes at most that a request"), 0
+    if _nests_deeper(data, MAX_CONSTRAINT_NESTING):
+        return (f"the request's {name} nests brackets more than {MAX_CONSTRAINT_NESTING} levels deep; "
+                f"this node takes constraints nested at most {MAX_CONSTRAINT_NESTING} deep"), 0
+    return None, budget
+
+
+def _nests_deeper(data: bytes, limit: int) -> bool:
+    """Whether brackets of any kind (`(`, `[`, `{`) nest deeper than `limit` in UTF-8 `data` (no
+    multi-byte character holds an ASCII byte), walking depth as a parser would: a backslash
+    escapes the next character, and a closing bracket with none open is ignored (so no run of
+    stray closers hides the openers after it).
+
+    Mostly at C speed (a walk in Python over every bracket of 8 MiB took seconds): taking away
+    every adjacent pair `()` lowers the deepest point by one and changes no other depth, so after
+    up to `_PAIR_PASSES` passes the walk in Python goes over runs of brackets, each of which stood
+    for that many pairs. Never too shallow; where brackets are left open, up to `_PAIR_PASSES`
+    levels too deep."""
+    if data.count(b"(") + data.count(b"[") + data.count(b"{") <= limit:
+        return False  # the common case: too few openers to nest that deep
+    if b"\\" in data:
+        data = _ESCAPED.sub(b"", data)
+    brackets = data.translate(_ONE_KIND, _NOT_BRACKETS)
+    taken = 0
+    while taken < _PAIR_PASSES and b"()" in brackets:
+        brackets = brackets.replace(b"()", b"")
+        taken += 1
+    depth = taken
+    for run in _RUNS.finditer(brackets):
+        length = run.end() - run.start()
+        if brackets[run.start()] == _OPEN:
+            depth += length
+            if depth > limit:
+                return True
+        else:
+            depth = max(taken, depth - length)
+    return depth > limit
+
+
+def _over(body: dict[str, Any], keys: tuple[str, ...], limit: int) -> int | float | None:
+    """The first number under `keys` that is over `limit` (`true` is no number), or None."""
+    for key in keys:
+        value = body.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+            return value
+    return None
 
 
 def is_generation(method: str, path: str) -> bool:

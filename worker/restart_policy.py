@@ -5,12 +5,21 @@ An attempt's end is classified from its log first (vLLM's free-memory refusal, a
 cache cannot hold, out of memory), its exit status second; `next_step` turns that into retry,
 fall back a tier, wait for memory another program holds, or give up. `worker.supervise` runs the
 process and acts on these.
+
+A ready engine that dies by itself while serving requests was crashed by a request (`by_request`):
+the caller's doing, not the engine's, so it restarts at once and never counts toward giving up
+(that rule is for engines that cannot start). `RequestCrashes` keeps the node's count of them:
+three within ten minutes and constrained decoding, the way such requests get in, is refused for
+the rest of the run (contract, Relay, "Bounded requests").
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,9 +41,16 @@ from worker.engines.base import (
 from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 
+log = logging.getLogger(__name__)
+
 ERROR_LINES_SHOWN = 8
 DETAIL_LINES_KEPT = 40
 MEMORY_WAIT_REASON = "Another program is using the GPU's memory; waiting for it to free up"
+# A request the relay saw break this long before the supervisor saw the exit was still in flight
+# when the engine died: the relay can read the closed connection before the exit is reported.
+REQUEST_CRASH_GRACE_S = 2.0
+REQUEST_CRASH_LIMIT = 3
+REQUEST_CRASH_WINDOW_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,7 @@ class Ended:
     uptime_s: float
     was_ready: bool
     lines: tuple[str, ...] = ()  # the engine's last lines of output (what a person finds under Details)
+    by_request: bool = False  # a ready engine died by itself while serving requests
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,8 @@ def next_step(ended: Ended, *, option: int, options: int, fast_failures: int, ti
     `memory_waits` the free-memory refusals in a row, this one included."""
     if ended.kind == "free_memory":
         return Step("wait", MEMORY_WAIT_REASON, timing.memory_wait.delay(memory_waits))
+    if ended.by_request:
+        return Step("retry", f"restarting at once: {ended.message}")
     if ended.kind == "unstartable":
         return Step("fail", ended.message)
     if ended.kind in _TOO_BIG and not ended.was_ready:
@@ -128,6 +147,45 @@ def next_step(ended: Ended, *, option: int, options: int, fast_failures: int, ti
         return Step("fail", f"The engine failed {fast_failures} times in a row within "
                             f"{timing.stable_after_s:.0f} s of starting; gave up. The last one: {ended.message}")
     return Step("retry", f"restarting: {ended.message}", backoff.delay(max(1, fast_failures)))
+
+
+def crashed_by_request(ended: Ended, *, in_flight: int, since_last_request_s: float | None) -> Ended:
+    """`ended`, marked `by_request` when a ready engine died by itself (it crashed or ran out of
+    memory; the supervisor did not stop it) with requests in flight: `in_flight` at the exit, or
+    one that ended no more than `REQUEST_CRASH_GRACE_S` before it (`since_last_request_s`, None
+    when none has)."""
+    busy = in_flight > 0 or (since_last_request_s is not None and since_last_request_s <= REQUEST_CRASH_GRACE_S)
+    if not (ended.was_ready and ended.kind in ("crashed", "oom") and busy):
+        return ended
+    message = ("a request crashed the engine while it was serving (this is no failure to start and is not "
+               f"counted as one); {ended.message}")
+    return dataclasses.replace(ended, by_request=True, message=message)
+
+
+class RequestCrashes:
+    """The node's crashes caused by requests, over its whole run: from the `limit`-th within
+    `window_s` on, constrained decoding is refused (`refusal`) until the node stops."""
+
+    def __init__(self, *, limit: int = REQUEST_CRASH_LIMIT, window_s: float = REQUEST_CRASH_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._limit = limit
+        self._window_s = window_s
+        self._clock = clock
+        self._recent: collections.deque[float] = collections.deque(maxlen=limit)
+        self.refusal: str | None = None  # why constrained decoding is refused; None while it is not
+
+    def record(self) -> bool:
+        """One more crash a request caused; True when this one turns constrained decoding off."""
+        now = self._clock()
+        self._recent.append(now)
+        if self.refusal is not None or len(self._recent) < self._limit or now - self._recent[0] > self._window_s:
+            return False
+        self.refusal = (f"this node no longer takes grammars, JSON schemas, regexes or tools: requests crashed its "
+                        f"engine {self._limit} times within {self._window_s / 60:.0f} minutes, so it refuses "
+                        "constrained decoding until it restarts; send the request without them, or to another node")
+        log.warning("requests crashed the engine %d times within %.0f s: constrained decoding is refused until "
+                    "the node restarts", self._limit, self._window_s)
+        return True
 
 
 def context_refusal(fact: ContextTooLong) -> str:

@@ -19,6 +19,11 @@ it stops answering: its process exits, or `/health` fails or takes over `health_
 whole) says nothing about the engine, so it is never a reason (contract, Relay); the relay's
 deadlines bound requests.
 
+An engine that dies by itself while serving requests was crashed by one (`crashed_by_request`:
+requests in flight, as the relay tells through `EngineTarget.on_load`): it restarts at once and
+does not count toward giving up; the node's `RequestCrashes` decides when constrained decoding
+is refused, and `target()` carries that refusal and the engine's context to the relay.
+
 A start that runs out of memory, or whose context does not fit the KV cache, retries a tier
 lower. vLLM's "Free memory on device" refusal is no tier problem but another program holding the
 card (contract, Assignment rule 3): the supervisor waits, measures again (`remeasure`) and starts
@@ -53,7 +58,9 @@ from worker.restart_policy import (
     AttemptFacts,
     RestartBackoff,
     Ended,
+    RequestCrashes,
     SupervisorTiming,
+    crashed_by_request,
     next_step,
     start_options,
 )
@@ -99,11 +106,12 @@ class EngineSupervisor:
                  key_factory: Callable[[], str] = lambda: secrets.token_hex(24),  # never starts with "-" (argparse)
                  base_env: Mapping[str, str] | None = None, gpu_released: procs.GpuReleased | None = None,
                  http: httpx.AsyncClient | None = None, unix_socket: bool | None = None,
-                 remeasure: Remeasure | None = None):
+                 remeasure: Remeasure | None = None, request_crashes: RequestCrashes | None = None):
         """`http` is used for an engine on a TCP port; one on a Unix socket gets its own client.
         `unix_socket` None follows the platform (`UNIX_SOCKETS`); False keeps an engine on 127.0.0.1.
         `remeasure` gives the memory share to start with after vLLM found the card's memory held
-        (None: the planned share again). `wall_clock` dates the next start (`retry_at`) for people."""
+        (None: the planned share again). `wall_clock` dates the next start (`retry_at`) for people.
+        `request_crashes` is the node's count of crashes requests caused (shared by its engines)."""
         self.plan = plan
         self.adapter = plan.adapter
         self._paths = paths
@@ -136,6 +144,9 @@ class EngineSupervisor:
         self._run_id: str | None = None
         self._facts = AttemptFacts()
         self._in_flight = 0
+        self._request_crashes = request_crashes or RequestCrashes(clock=clock)
+        self._relayed = 0  # requests of any path on the engine now (the relay's count, via `on_load`)
+        self._last_relayed_end: float | None = None
         self.last_ended: Ended | None = None  # how the latest attempt ended (None: none has yet)
 
     # --- what others read ----------------------------------------------------------------
@@ -148,7 +159,9 @@ class EngineSupervisor:
         if self._snapshot.state not in ("ready", "degraded") or self._api_key is None:
             return None
         socket_path = str(self._socket_path) if self._socket_path is not None else None
-        return EngineTarget(self.plan.engine_id, self._base_url, self._api_key, self.plan.served_name, socket_path)
+        return EngineTarget(self.plan.engine_id, self._base_url, self._api_key, self.plan.served_name, socket_path,
+                            context=self._snapshot.context.servable,
+                            constraints_refused=self._request_crashes.refusal, on_load=self._relayed_change)
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -165,6 +178,11 @@ class EngineSupervisor:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def _relayed_change(self, change: int) -> None:
+        self._relayed = max(0, self._relayed + change)
+        if change < 0:
+            self._last_relayed_end = self._clock()
 
     def request_started(self) -> None:
         self._in_flight += 1
@@ -244,7 +262,8 @@ class EngineSupervisor:
             tier, args = options[option]
             ended = await self._attempt(tier, args, pid_path, reason)
             memory_waits = memory_waits + 1 if ended.kind == "free_memory" else 0
-            if not memory_waits:  # waiting for memory is no failure of the engine's
+            turned_off = ended.by_request and self._request_crashes.record()
+            if not memory_waits and not ended.by_request:  # neither is a failure of the engine's
                 fast = not ended.was_ready or ended.uptime_s < self._timing.stable_after_s
                 fast_failures = fast_failures + 1 if fast else 1
             following = options[option + 1][0] if option + 1 < len(options) else None
@@ -256,6 +275,8 @@ class EngineSupervisor:
                 self._set("failed", step.reason, last_error=step.reason, failures_in_a_row=fast_failures)
                 return
             reason = step.reason
+            if turned_off:
+                reason = f"{reason}\n{self._request_crashes.refusal}"
             if step.action == "fallback":
                 option += 1
                 fast_failures = 0
@@ -410,7 +431,11 @@ class EngineSupervisor:
         failures = 0
         while True:
             if await self._exited_within(process, self._timing.health_interval_s):
-                return await self._ended_by_exit(process, started, was_ready=True)
+                # Who was busy is read at the exit, before its last lines are awaited.
+                since = None if self._last_relayed_end is None else self._clock() - self._last_relayed_end
+                in_flight = self._relayed
+                ended = await self._ended_by_exit(process, started, was_ready=True)
+                return crashed_by_request(ended, in_flight=in_flight, since_last_request_s=since)
             uptime = self._clock() - started
             problem = await self._health_problem()
             if problem is None:

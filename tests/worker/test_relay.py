@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import re
@@ -589,3 +590,76 @@ async def test_streams_through_a_batching_link_arrive_byte_for_byte_in_order_wit
         finally:
             await link.close()
             await running
+
+
+# --- bounded requests (contract, Relay, "Bounded requests") -------------------------------------
+
+DEEP_GRAMMAR = "root ::= " + "(" * 20_000 + '"a"' + ")" * 20_000  # crashed llama-server with SIGSEGV
+
+
+@pytest.mark.parametrize("body", [
+    {"grammar": DEEP_GRAMMAR},
+    {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string",
+                                                                           "pattern": "(" * 200 + ")" * 200}}}},
+    {"guided_regex": "[" * 129},
+    {"grammar": "x" * (64 * 1024 + 1)},
+    {"n": 17},
+    {"logprobs": True, "top_logprobs": 21},
+])
+async def test_a_body_asking_too_much_of_an_engine_is_refused_before_it_reaches_one(engine, http,
+                                                                                  body: dict[str, Any]) -> None:
+    wire, hooks, load = Wire(), Recorder(), []
+    target = dataclasses.replace(target_of(engine), on_load=load.append)
+    relay = Relay(wire, lambda: [target], lambda: None, http=http, hooks=hooks)
+    await relay.handle(request(path="/v1/completions", stream=False, prompt="hi", **body))
+    (error,) = wire.of("r-1")
+    assert (error.status, error.code) == (400, "bad_request") and "this node" in error.message
+    assert engine.records == [] and hooks.calls == [] and load == [] and relay.in_flight == 0
+
+
+async def test_more_tokens_than_the_engines_context_are_refused_where_it_is_known(engine, http) -> None:
+    wire = Wire()
+    known = dataclasses.replace(target_of(engine), context=1024)
+    await Relay(wire, lambda: [known], lambda: None, http=http).handle(request(max_tokens=1025))
+    (error,) = wire.of("r-1")
+    assert (error.status, error.code) == (400, "bad_request") and "context of 1024 tokens" in error.message
+    assert engine.records == []
+    await Relay(wire, lambda: [known], lambda: None, http=http).handle(request("r-2", max_tokens=1024))
+    unknown = target_of(engine)
+    await Relay(wire, lambda: [unknown], lambda: None, http=http).handle(request("r-3", max_tokens=10**6))
+    assert [type(f) for f in wire.terminals("r-2") + wire.terminals("r-3")] == [protocol.ResponseEnd] * 2
+
+
+async def test_where_the_node_refuses_constrained_decoding_only_constrained_requests_are_refused(engine, http) -> None:
+    wire = Wire()
+    refusing = dataclasses.replace(target_of(engine), constraints_refused="no constraints on this node any more")
+    relay = Relay(wire, lambda: [refusing], lambda: None, http=http)
+    await relay.handle(request("grammar", grammar='root ::= "a"'))
+    await relay.handle(request("tools", tools=[{"type": "function", "function": {"name": "f"}}]))
+    await relay.handle(request("plain"))
+    await relay.handle(request("text", response_format={"type": "text"}))
+    for refused in ("grammar", "tools"):
+        (error,) = wire.of(refused)
+        assert (error.status, error.code, error.message) == (400, "bad_request", "no constraints on this node any more")
+    assert [type(f) for f in wire.terminals("plain") + wire.terminals("text")] == [protocol.ResponseEnd] * 2
+    assert len(engine.records) == 2
+
+
+async def test_the_engine_is_told_of_every_request_on_it_whatever_its_path(engine, http) -> None:
+    """The supervisor tells a crash a request caused by the requests on the engine: each is
+    counted from hand-over to its end, generations or not, a 502 included."""
+    wire, load = Wire(), []
+    target = dataclasses.replace(target_of(engine), on_load=load.append)
+    relay = Relay(wire, lambda: [target], lambda: None, http=http)
+    await relay.handle(protocol.Request(id="m", method="GET", path="/v1/models"))
+    assert load == [1, -1]
+    engine.behaviour = Behaviour(tokens=50, crash_after=5)
+    await relay.handle(request())
+    assert load == [1, -1, 1, -1] and wire.terminals("r-1")[0].code == "engine_failed"
+    engine.behaviour = Behaviour(tokens=500, token_delay_s=0.01)
+    task = relay.handle(request("r-2"))
+    await asyncio.sleep(0.05)
+    assert load == [1, -1, 1, -1, 1]
+    relay.cancel("r-2")
+    await task
+    assert load == [1, -1, 1, -1, 1, -1]

@@ -23,11 +23,13 @@ from worker.events import ContextNumbers, EngineSnapshot
 from worker.plan import EnginePlan
 from worker.restart_policy import (
     AttemptFacts,
+    RequestCrashes,
     RestartBackoff,
     Ended,
     Step,
     SupervisorTiming,
     context_refusal,
+    crashed_by_request,
     next_step,
     start_options,
 )
@@ -178,3 +180,68 @@ def test_a_crash_the_log_does_not_explain_shows_the_last_lines(tail: list[str], 
 def test_an_ending_keeps_the_last_forty_lines_for_details() -> None:
     tail = ["", *(f"line {i}" for i in range(50))]
     assert AttemptFacts().ending(1, tail, 1.0, False).lines == tuple(f"line {i}" for i in range(10, 50))
+
+
+# --- a crash a request caused is not a broken engine ---------------------------------------------
+
+SEGFAULT = Ended("crashed", "the engine exited with status -11; last lines:\n(no output)", 30.0, was_ready=True)
+
+
+@pytest.mark.parametrize(("ended", "in_flight", "since", "by_request"), [
+    (SEGFAULT, 1, None, True),  # a request in flight when it died
+    (SEGFAULT, 0, 0.4, True),  # the relay saw the broken connection just before the exit was seen
+    (SEGFAULT, 0, 2.0, True),
+    (SEGFAULT, 0, 2.5, False),  # idle for a while: the engine broke by itself
+    (SEGFAULT, 0, None, False),  # no request ever
+    (dataclasses.replace(SEGFAULT, kind="oom"), 3, None, True),  # a request that took all the memory
+    (dataclasses.replace(SEGFAULT, was_ready=False), 1, None, False),  # never served: a start-up failure
+    (dataclasses.replace(SEGFAULT, kind="unhealthy"), 1, None, False),  # the supervisor stopped it
+])
+def test_a_ready_engine_dying_by_itself_with_requests_in_flight_was_crashed_by_a_request(
+        ended: Ended, in_flight: int, since: float | None, by_request: bool) -> None:
+    judged = crashed_by_request(ended, in_flight=in_flight, since_last_request_s=since)
+    assert judged.by_request is by_request
+    if by_request:
+        assert "a request crashed the engine" in judged.message and "status -11" in judged.message
+    else:
+        assert judged == ended
+
+
+def test_a_crash_a_request_caused_restarts_at_once_however_many_came_before() -> None:
+    crashed = crashed_by_request(SEGFAULT, in_flight=1, since_last_request_s=None)
+    for fast in (0, 1, 3, 50):  # at and past `max_fast_failures`: no giving up
+        restart = step(crashed, fast=fast)
+        assert (restart.action, restart.delay_s) == ("retry", 0.0)
+        assert restart.reason.startswith("restarting at once: a request crashed the engine")
+    assert step(SEGFAULT, fast=3).action == "fail"  # the same crash, no request in flight: the engine's own
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_three_request_crashes_in_ten_minutes_refuse_constrained_decoding_for_the_rest_of_the_run() -> None:
+    clock = Clock()
+    crashes = RequestCrashes(clock=clock)
+    assert crashes.record() is False and crashes.refusal is None
+    clock.now += 300
+    assert crashes.record() is False and crashes.refusal is None
+    clock.now += 299
+    assert crashes.record() is True  # the third within 599 s
+    assert crashes.refusal is not None and "3 times within 10 minutes" in crashes.refusal
+    assert "grammars, JSON schemas, regexes or tools" in crashes.refusal
+    clock.now += 10**6
+    assert crashes.record() is False and crashes.refusal is not None  # for the rest of the run
+
+
+def test_request_crashes_spread_wider_than_ten_minutes_refuse_nothing() -> None:
+    clock = Clock()
+    crashes = RequestCrashes(clock=clock)
+    for _ in range(10):
+        assert crashes.record() is False
+        clock.now += 301  # any three span more than 600 s
+    assert crashes.refusal is None
