@@ -9,9 +9,9 @@ port scanner (and, through its refusal's words, a file reader) for whoever sent 
   ending in a letter: no IP literal in any spelling (`127.1`, `0x7f.1`, `[::1]`, `2130706433`),
   no single-label LAN name (`localhost`, `nas`) — `url_refusal`, before anything is looked up;
 - the name is looked up once, every address it has must be public (`is_global`, no multicast, no
-  local IPv4 inside an IPv6 form), and the connection goes to that checked address, with TLS still
-  verifying the name: a name that resolves to a local address, or answers differently between a
-  check and a connect, cannot get through;
+  local IPv4 inside an IPv6 form), and the connection goes to those checked addresses (the next
+  when one cannot be reached), with TLS still verifying the name: a name that resolves to a local
+  address, or answers differently between a check and a connect, cannot get through;
 - no proxy from the environment (a proxy would connect for us, past the check).
 
 The host policy is an argument that denies by default (`PUBLIC_HOSTS`); nothing in the app — no
@@ -40,6 +40,7 @@ _LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
 _HOST_NAME = re.compile(rf"(?:{_LABEL}\.)+[a-z](?:[a-z0-9-]{{0,61}}[a-z0-9])?")
 _MAX_HOST_CHARS = 253
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+MAX_ADDRESSES = 4  # tried in turn when one cannot be reached (an IPv6 route that is not there)
 
 
 @dataclass(eq=False)
@@ -58,9 +59,9 @@ class HostRefused(Exception):
 class HostPolicy(Protocol):
     """Which addresses a download may connect to, for a host name that passed `url_refusal`."""
 
-    def address_for(self, host: str, port: int) -> IPAddress:
-        """The one address to connect to; `HostRefused` if `host` may not be reached, `OSError` if
-        it cannot be looked up. Blocks (a name lookup): call it from a thread."""
+    def addresses_for(self, host: str, port: int) -> list[IPAddress]:
+        """The addresses to connect to, in turn; `HostRefused` if `host` may not be reached,
+        `OSError` if it cannot be looked up. Blocks (a name lookup): call it from a thread."""
         ...
 
 
@@ -68,7 +69,7 @@ class HostPolicy(Protocol):
 class PublicHosts:
     """The app's policy: every address the name has must be a public one."""
 
-    def address_for(self, host: str, port: int) -> IPAddress:
+    def addresses_for(self, host: str, port: int) -> list[IPAddress]:
         found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         return only_public([ipaddress.ip_address(info[4][0]) for info in found])
 
@@ -76,11 +77,12 @@ class PublicHosts:
 PUBLIC_HOSTS = PublicHosts()
 
 
-def only_public(addresses: list[IPAddress]) -> IPAddress:
-    """The first of `addresses` when all are public; a name with one local address is refused whole."""
+def only_public(addresses: list[IPAddress]) -> list[IPAddress]:
+    """The first few of `addresses`, once each, when all are public; a name with one local address
+    is refused whole."""
     if not addresses or not all(_public(address) for address in addresses):
         raise HostRefused(LOCAL_HOST)
-    return addresses[0]
+    return list(dict.fromkeys(addresses))[:MAX_ADDRESSES]
 
 
 def _public(address: IPAddress) -> bool:
@@ -104,12 +106,12 @@ def url_refusal(scheme: str, raw_host: bytes) -> str | None:
     return None
 
 
-def checked_address(hosts: HostPolicy, scheme: str, raw_host: bytes, port: int | None) -> IPAddress:
-    """The address a request may connect to, by the URL's form and then by `hosts`; blocks."""
+def checked_addresses(hosts: HostPolicy, scheme: str, raw_host: bytes, port: int | None) -> list[IPAddress]:
+    """The addresses a request may connect to, by the URL's form and then by `hosts`; blocks."""
     refusal = url_refusal(scheme, raw_host)
     if refusal is not None:
         raise HostRefused(refusal)
-    return hosts.address_for(raw_host.decode("ascii"), port or 443)
+    return hosts.addresses_for(raw_host.decode("ascii"), port or 443)
 
 
 class _GuardedTransport(httpx.AsyncBaseTransport):
@@ -122,20 +124,29 @@ class _GuardedTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         try:
-            address = await asyncio.to_thread(checked_address, self._hosts, url.scheme, url.raw_host, url.port)
+            addresses = await asyncio.to_thread(checked_addresses, self._hosts, url.scheme, url.raw_host, url.port)
         except OSError as exc:
             raise httpx.ConnectError(f"cannot look up {url.host} ({exc})", request=request) from exc
-        pinned = httpx.Request(
-            request.method,
-            url.copy_with(host=str(address)),
-            headers=request.headers,  # Host: still the name
-            stream=request.stream,
-            extensions={**request.extensions, "sni_hostname": url.raw_host.decode("ascii")},
-        )
-        return await self._inner.handle_async_request(pinned)
+        for address in addresses[:-1]:
+            try:
+                return await self._inner.handle_async_request(_pinned(request, address))
+            except httpx.ConnectError:
+                continue
+        return await self._inner.handle_async_request(_pinned(request, addresses[-1]))
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _pinned(request: httpx.Request, address: IPAddress) -> httpx.Request:
+    """`request` sent to `address`, still asking for (Host) and verifying (SNI) the name."""
+    return httpx.Request(
+        request.method,
+        request.url.copy_with(host=str(address)),
+        headers=request.headers,
+        stream=request.stream,
+        extensions={**request.extensions, "sni_hostname": request.url.raw_host.decode("ascii")},
+    )
 
 
 def download_client(

@@ -263,7 +263,8 @@ def test_local_addresses_in_every_form_are_refused(address: str) -> None:
 
 def test_public_addresses_pass() -> None:
     public = [ipaddress.ip_address(a) for a in ("93.184.215.14", "2606:4700::1111", "64:ff9b::5db8:d70e")]
-    assert [only_public([a]) for a in public] == public
+    assert only_public(public) == public
+    assert only_public(public * 3) == public  # once each
 
 
 # --- updates -------------------------------------------------------------------------------------------

@@ -46,8 +46,12 @@ class ServedHere(PublicHosts):
 
     names: frozenset[str] = frozenset({HOST, MIRROR})
 
-    def address_for(self, host: str, port: int) -> IPAddress:
-        return LOOPBACK if host.lower() in self.names else super().address_for(host, port)
+    first: tuple[IPAddress, ...] = ()  # addresses answered before 127.0.0.1 (that nothing serves on)
+
+    def addresses_for(self, host: str, port: int) -> list[IPAddress]:
+        if host.lower() in self.names:
+            return [*self.first, LOOPBACK]
+        return super().addresses_for(host, port)
 
 
 SERVED_HERE = ServedHere()

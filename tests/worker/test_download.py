@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import httpx
 import pytest
 import trustme
 
-from tests.support.https_server import HttpsServer
+from tests.support.https_server import HttpsServer, ServedHere
 from worker.download import (
     Damaged,
     Downloader,
@@ -23,6 +24,7 @@ from worker.download import (
     check_sha256,
     sha256_of,
 )
+from worker.download_hosts import download_client
 
 BODY = os.urandom(700_000)
 DIGEST = hashlib.sha256(BODY).hexdigest()
@@ -106,6 +108,19 @@ async def test_downloads_verifies_and_renames(server: HttpsServer, client: httpx
     assert dest.read_bytes() == BODY
     assert list(dest.parent.iterdir()) == [dest]
     assert meter.starts == [(0, len(BODY))] and meter.counts[-1] == len(BODY)
+
+
+async def test_a_host_address_that_cannot_be_reached_gives_way_to_the_next(
+    server: HttpsServer, tmp_path: Path
+) -> None:
+    """The name's first address has nothing listening (as an IPv6 address without a route): the next is tried."""
+    server.add("m.gguf", BODY)
+    hosts = ServedHere(first=(ipaddress.IPv4Address("127.0.0.2"),))
+
+    async with download_client(hosts, verify=server.client_context()) as client:
+        await fetch(client, server.url("m.gguf"), tmp_path / "m.gguf")
+
+    assert (tmp_path / "m.gguf").read_bytes() == BODY and server.connections == 1
 
 
 async def test_cut_connection_resumes_from_what_arrived(

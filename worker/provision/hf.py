@@ -43,7 +43,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils._http import hf_request_event_hook
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-from worker.download_hosts import PUBLIC_HOSTS, HostPolicy, HostRefused, checked_address
+from worker.download_hosts import PUBLIC_HOSTS, HostPolicy, HostRefused, IPAddress, checked_addresses
 from worker.events import DownloadProgress, Problem
 from worker.provision.cache import tree_size
 from worker.provision.download import FreeBytes, SizeCap, ensure_free_space, host_refused, too_large
@@ -100,20 +100,29 @@ class _GuardedTransport(httpx2.BaseTransport):
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         url = request.url
         try:
-            address = checked_address(self._hosts, url.scheme, url.raw_host, url.port)
+            addresses = checked_addresses(self._hosts, url.scheme, url.raw_host, url.port)
         except OSError as exc:
             raise httpx2.ConnectError(f"cannot look up {url.host} ({exc})", request=request) from exc
-        pinned = httpx2.Request(
-            request.method,
-            url.copy_with(host=str(address)),
-            headers=request.headers,  # Host: still the name
-            stream=request.stream,
-            extensions={**request.extensions, "sni_hostname": url.raw_host.decode("ascii")},
-        )
-        return self._inner.handle_request(pinned)
+        for address in addresses[:-1]:
+            try:
+                return self._inner.handle_request(_pinned(request, address))
+            except httpx2.ConnectError:
+                continue
+        return self._inner.handle_request(_pinned(request, addresses[-1]))
 
     def close(self) -> None:
         self._inner.close()
+
+
+def _pinned(request: httpx2.Request, address: IPAddress) -> httpx2.Request:
+    """`request` sent to `address`, still asking for (Host) and verifying (SNI) the name."""
+    return httpx2.Request(
+        request.method,
+        request.url.copy_with(host=str(address)),
+        headers=request.headers,
+        stream=request.stream,
+        extensions={**request.extensions, "sni_hostname": request.url.raw_host.decode("ascii")},
+    )
 
 
 def guard_hub(hosts: HostPolicy = PUBLIC_HOSTS, verify: ssl.SSLContext | bool = True) -> None:
