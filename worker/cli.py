@@ -278,6 +278,8 @@ def _load(path: str, what: str, reader: Callable[[str], T]) -> T:
         raise InputError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from exc
     except json.JSONDecodeError as exc:
         raise InputError(f"the {what} file {path} is not JSON: {exc}") from exc
+    except RecursionError as exc:  # json.loads on brackets nested thousands deep
+        raise InputError(f"the {what} file {path} is nested too deeply to be a valid {what}") from exc
     except (ValueError, KeyError, TypeError) as exc:
         detail = " ".join(str(exc).split())[:400]
         raise InputError(f"the {what} file {path} is not a valid {what}: {detail}") from exc

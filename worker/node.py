@@ -307,13 +307,14 @@ class Node:
 
     async def _assign(self, assign: protocol.Assign) -> None:
         """Plan (which validates every argument and the source) before anything stops; provision
-        the new model while the old engines keep serving; only then drain them and start anew."""
+        the new model while the old engines keep serving; only then drain them and start anew.
+        `plan` runs in a thread: the loop keeps relaying while a large assignment is checked."""
         assert self._engines_lock is not None and self.machine is not None
         async with self._engines_lock:
             if assign == self._assignment and self._engines and self._node_state() != "failed":
                 await self._news.send_status(force=True)  # re-sent after a reconnect: keep serving, no reload
                 return
-            result = plan(self.machine, assign, self.settings, first_port=self._first_port)
+            result = await asyncio.to_thread(plan, self.machine, assign, self.settings, first_port=self._first_port)
             if isinstance(result, Refusal):
                 if not self._engines.serving():
                     self._assignment = assign

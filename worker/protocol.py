@@ -179,15 +179,16 @@ class ModelSpec(_Message):
     @model_validator(mode="before")
     @classmethod
     def _known_engine_blocks(cls, data: Any) -> Any:
-        """`name` and the blocks of registered engines (a `null` block is no block); nothing else."""
+        """`name` and the blocks of registered engines (a `null` block is no block); nothing else.
+        One pass in the frame's order (no sorting): a frame may hold a million unknown blocks."""
         if not isinstance(data, dict):
             return data
         from worker.engines import registry  # the engine adapters import this module's types
 
         known = set(registry.names())
-        if unknown := sorted(map(str, data.keys() - known - {"name"})):
+        if unknown := [key for key in data if key != "name" and key not in known]:
             log.info("model %.80r: ignoring %d block(s) for engines this app does not run: %.200s",
-                     data.get("name"), len(unknown), ", ".join(map(repr, unknown[:5])))
+                     data.get("name"), len(unknown), ", ".join(repr(str(key)) for key in unknown[:5]))
         return {key: value for key, value in data.items() if key == "name" or (key in known and value is not None)}
 
     @property

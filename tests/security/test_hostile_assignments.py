@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,7 +241,7 @@ def _plan_refusal(machines: dict[str, Machine], case: Hostile, where: str) -> Re
     return plan(machines[case.engine], case.assignment(where), Settings())
 
 
-def _mentions(reason: str, case: Hostile) -> bool:
+def _mentions(reason: str, case: Hostile | Costly) -> bool:
     return all(name.lower() in reason.lower() for name in case.names)
 
 
@@ -442,3 +443,80 @@ async def test_a_running_node_refuses_every_hostile_assignment_before_starting_a
           f"engine starts: {int(marker.exists())}")
     assert refused == [case.label for case in NODE_CASES]
     assert not marker.exists() and children == []
+
+
+# --- Bounded work (issue 21): what checking an assignment costs, not only what it may say ---------
+# The attacks: a JSON value with 25,000 keys took 15 s to refuse, on the node's event loop; 1,000
+# tiers behind 40,000 repeated switches took 46 s and were accepted (each tier copied base_args);
+# a JSON value nested 5,000 deep raised RecursionError out of `plan` (no refusal sent, exit 1 from
+# the CLI). The contract's sizes (Assignment rule 4) refuse each at once.
+
+MANY_KEYS = json.dumps({f"key{i}": 1 for i in range(25_000)})
+DEEP_ARRAY = "[" * 5_000 + "]" * 5_000
+DEEP_OBJECT = '{"method": ' * 5_000 + '"mtp"' + "}" * 5_000
+BOUNDED_S = 2.0  # the refusal's budget; the attacks took 15 s, 46 s, or never answered
+
+
+@dataclass(frozen=True)
+class Costly:
+    """An assignment whose size, not its words, is the attack: `base_args`, then `tiers` tiers of
+    `tier_args`; `names` is what the refusal must mention."""
+
+    engine: protocol.EngineName
+    label: str
+    base_args: tuple[str, ...]
+    names: tuple[str, ...]
+    tiers: int = 0
+    tier_args: tuple[str, ...] = ()
+
+    def message(self, assignment_id: str = "costly-1") -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "source": VLLM_SOURCE if self.engine == "vllm" else LLAMACPP_SOURCE, "weights_mib": 700,
+            "base_args": list(self.base_args), "tiers": {str(1000 + i): list(self.tier_args) for i in range(self.tiers)}}
+        if self.engine == "llamacpp":
+            spec["sha256"] = LLAMACPP_SHA256
+        return {"type": "assign", "assignment_id": assignment_id, "model": {"name": "tiny-1b", self.engine: spec}}
+
+    def assignment(self) -> protocol.Assign:
+        return protocol.Assign.model_validate(self.message())
+
+
+COSTLY_CASES = [
+    Costly("vllm", "25,000 JSON keys", ("--compilation-config", MANY_KEYS), ("too large", "363,890 bytes")),
+    Costly("vllm", "a JSON array 5,000 deep", ("--compilation-config", DEEP_ARRAY),
+           ("--compilation-config", "nested more than 16 deep")),
+    Costly("vllm", "a JSON object 5,000 deep", ("--speculative-config", DEEP_OBJECT),
+           ("--speculative-config", "nested more than 16 deep")),
+    Costly("vllm", "1,000 tiers x 40,000 switches", ("--enforce-eager",) * 40_000, ("1,000 tiers",),
+           tiers=1_000, tier_args=("--no-enforce-eager",)),
+    Costly("llamacpp", "1,000 tiers x 40,000 switches", ("-cb",) * 40_000, ("1,000 tiers",),
+           tiers=1_000, tier_args=("-nocb",)),
+    Costly("vllm", "40,000 switches", ("--enforce-eager",) * 40_000, ("base_args has 40,000 arguments",)),
+    Costly("llamacpp", "32 tiers x 40,000 switches", tuple(SAFE_LLAMACPP_ARGS), ("tier 1000 has 40,000 arguments",),
+           tiers=32, tier_args=("-cb",) * 40_000),
+]
+
+
+@pytest.mark.parametrize("case", COSTLY_CASES, ids=lambda case: f"{case.engine}: {case.label}")
+def test_a_costly_assignment_is_refused_within_2_s_naming_the_limit(machines: dict[str, Machine], case: Costly) -> None:
+    assignment = case.assignment()
+    started = time.perf_counter()
+    result = plan(machines[case.engine], assignment, Settings())
+    took = time.perf_counter() - started
+    print(f"\n{case.engine}: {case.label}: {result} in {took:.3f} s")
+    assert isinstance(result, Refusal) and _mentions(result.reason, case)
+    assert took < BOUNDED_S
+
+
+async def test_the_plan_command_refuses_what_is_nested_too_deep(machines: dict[str, Machine], tmp_path: Path) -> None:
+    """Exit 2 with {"error": …}, as for any refusal: a deep value inside an argument, and a file
+    that is itself nested 5,000 deep (both exited 1 with a RecursionError traceback)."""
+    hardware = tmp_path / "machine.json"
+    hardware.write_text(json.dumps(machines["vllm"].to_detect_json()), encoding="utf-8")
+    deep_value = tmp_path / "deep-value.json"
+    deep_value.write_text(json.dumps(COSTLY_CASES[1].message()), encoding="utf-8")
+    deep_file = tmp_path / "deep-file.json"
+    deep_file.write_text('{"type": "assign", "assignment_id": "x", "model": ' + DEEP_ARRAY + "}", encoding="utf-8")
+    for path, words in ((deep_value, "nested more than 16 deep"), (deep_file, "nested too deeply")):
+        code, out = await _cli_plan(hardware, path)
+        assert code == 2 and words in json.loads(out)["error"], (path.name, code, out[:300])

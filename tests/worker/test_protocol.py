@@ -97,6 +97,31 @@ def test_an_engine_block_this_app_does_not_run_is_ignored_as_an_unknown_type_is(
     assert set(json.loads(protocol.encode(message))["model"]) == {"name", "vllm"}
 
 
+def test_many_unknown_engine_blocks_are_dropped_in_one_pass_and_named_in_the_frames_order(caplog) -> None:
+    blocks = {f"engine-{i}": {"source": "x"} for i in range(200_000, 0, -1)}  # sorting would put engine-1 first
+    frame = json.dumps({"type": "assign", "assignment_id": "a", "model": {"name": "m", **blocks, "vllm": ENGINE_MODEL}})
+    with caplog.at_level("INFO", logger="worker.protocol"):
+        message = protocol.parse_from_coordinator(frame)
+    assert isinstance(message, protocol.Assign) and set(message.model.engines) == {"vllm"}
+    assert ("ignoring 200000 block(s) for engines this app does not run: 'engine-200000', 'engine-199999', "
+            "'engine-199998', 'engine-199997', 'engine-199996'") in caplog.text
+
+
+@pytest.mark.parametrize("depth", [900, 5_000, 100_000])
+def test_a_deeply_nested_assign_frame_is_a_bad_message_never_a_crash(depth: int) -> None:
+    """Under the JSON parser's recursion limit the schema refuses it, naming the assignment (the
+    node then refuses that assignment); over it, the frame is not JSON at all."""
+    deep = "[" * depth + "]" * depth
+    frame = json.dumps({"type": "assign", "assignment_id": "a-9", "model": {"name": "m", "vllm": {
+        **ENGINE_MODEL, "base_args": "BASE"}}}).replace('"BASE"', deep)
+    with pytest.raises(protocol.BadMessage) as raised:
+        protocol.parse_from_coordinator(frame)
+    if depth < 1000:
+        assert (raised.value.message_type, raised.value.ref) == ("assign", "a-9")
+    else:
+        assert "not valid JSON" in str(raised.value)
+
+
 @pytest.mark.parametrize("frame, fragment", [
     ("not json", "not valid JSON"),
     ("[1, 2]", "one JSON object"),

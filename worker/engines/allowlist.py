@@ -200,7 +200,10 @@ def json_size_problem(text: str) -> str | None:
 
 def nests_deeper_than(text: str, limit: int) -> bool:
     """Whether `{` and `[` open more than `limit` deep in `text`, outside strings (escapes
-    followed): one pass, no parsing, so it is safe on any input."""
+    followed): one pass, no parsing, so it is safe on any input; a value with few brackets (every
+    honest one) is answered by counting them, in C."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
     depth = 0
     in_string = escaped = False
     for char in text:
