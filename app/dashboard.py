@@ -1,15 +1,18 @@
 """The dashboard: what this machine is doing, how fast, what it earned, and what went wrong.
 
 Every figure comes from the latest `NodeSnapshot`; the window only lays out its parts (banner,
-GPUs, engines, charts, earnings). Rows of cards fold into one column below `NARROW_PX`, so a
+GPUs, engines, charts, earnings). In local mode the Connection card also shows the local
+endpoint's address and key, with a button that copies the key. Rows of cards fold into one column below `NARROW_PX`, so a
 large system font or a half-screen window cuts nothing off. Colours come from the app-wide theme
 (`app.theme.install`); the window sets none of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QCloseEvent, QResizeEvent
+from PySide6.QtGui import QCloseEvent, QGuiApplication, QResizeEvent
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -40,6 +43,7 @@ from app.format import (
 )
 from app.gpu_panel import GpuPanel
 from app.widgets import PILL_HEIGHT, Reflow, Values, card, pill_style, set_dimmed, sync_rows
+from worker.config import LocalEndpoint
 from worker.events import DownloadProgress, NodeSnapshot, Problem
 
 NARROW_PX = 900  # below this width, rows of cards stack into one column
@@ -63,10 +67,15 @@ class Dashboard(QMainWindow):
     retry_requested = Signal()
     update_requested = Signal()
 
-    def __init__(self, bridge: Bridge, *, hide_on_close: bool = True) -> None:
+    def __init__(self, bridge: Bridge, *, hide_on_close: bool = True,
+                 local_endpoint: Callable[[], LocalEndpoint | None] = lambda: None) -> None:
+        """`local_endpoint` reads local mode's endpoint (address and key) as the node wrote it."""
         super().__init__()
         self.bridge = bridge
         self.hide_on_close = hide_on_close
+        self._read_local_endpoint = local_endpoint
+        self._local_endpoint: LocalEndpoint | None = None
+        self._local_endpoint_kept = False  # read once the node connected to it: this run's, kept
         self.values = Values()
         self.setWindowTitle("GPU Provider")
         self.resize(1120, 900)
@@ -180,6 +189,10 @@ class Dashboard(QMainWindow):
         layout.addWidget(self.values.label("connection", "rowTitle", wrap=True))
         layout.addWidget(self.values.label("coordinator", "muted", wrap=True))
         layout.addWidget(self.values.label("connection.detail", "caption", wrap=True))
+        layout.addWidget(self.values.label("local_api", "caption", wrap=True))
+        self.copy_key_button = QPushButton("Copy key")
+        self.copy_key_button.clicked.connect(self._copy_key)
+        layout.addWidget(self.copy_key_button, 0, Qt.AlignmentFlag.AlignLeft)
         layout.addSpacing(8)
         layout.addWidget(self.values.label("node", "caption", wrap=True))
         layout.addStretch(1)
@@ -285,7 +298,25 @@ class Dashboard(QMainWindow):
         if c.retry_in_s is not None:
             detail = (detail + " " if detail else "") + f"Retrying in {c.retry_in_s:.0f} s."
         self.values.set("connection.detail", detail)
+        self._show_local_endpoint(c.coordinator_url == "local", c.state == "connected")
         self.values.set("node", f"Node {snapshot.node_id}")
+
+    def _show_local_endpoint(self, local: bool, connected: bool) -> None:
+        """Where programs on this computer reach the node in local mode, and the key they send.
+        Read from the node's file until the node has connected (before, it may be the last run's)."""
+        if local and not self._local_endpoint_kept:
+            self._local_endpoint = self._read_local_endpoint()
+            self._local_endpoint_kept = connected and self._local_endpoint is not None
+        endpoint = self._local_endpoint if local else None
+        self.values.labels["local_api"].setVisible(endpoint is not None)
+        self.copy_key_button.setVisible(endpoint is not None)
+        if endpoint is not None:
+            self.values.set("local_api", f"Programs on this computer can use {endpoint.url} "
+                                         f"with the key {endpoint.key}")
+
+    def _copy_key(self) -> None:
+        if self._local_endpoint is not None:
+            QGuiApplication.clipboard().setText(self._local_endpoint.key)
 
     def _on_core_failed(self, problem: Problem) -> None:
         self._core_problem = problem

@@ -117,7 +117,8 @@ def node_options() -> argparse.ArgumentParser:
     options.add_argument("--model", metavar="PATH|URL|REPO", help="with --coordinator local: the model to serve")
     options.add_argument(
         "--openai-port", metavar="PORT", type=int, default=None,
-        help="with --coordinator local: the OpenAI-compatible endpoint's port on 127.0.0.1 (default 8090)",
+        help="with --coordinator local: the OpenAI-compatible endpoint's port on 127.0.0.1 (default 8090; "
+        "if another program holds it the endpoint does not start, it never moves elsewhere)",
     )
     options.add_argument("--verbose", action="store_true", help="log debug lines too")
     return options
@@ -220,8 +221,10 @@ def run_plan(args: argparse.Namespace, settings: Settings) -> int:
 def run_node(args: argparse.Namespace, settings: Settings) -> int:
     if not args.headless:
         return _no_desktop_app()
+    from worker.config import DataFolderUnsafe
     from worker.datalock import DataFolderInUse
     from worker.headless import run_headless
+    from worker.ledger import LedgerError
 
     try:
         engine_bins = parse_engine_bins(args.engine_bin)
@@ -240,7 +243,7 @@ def run_node(args: argparse.Namespace, settings: Settings) -> int:
             openai_port=args.openai_port,
             verbose=args.verbose,
         )
-    except DataFolderInUse as exc:  # another node owns the folder: it was left untouched
+    except (DataFolderInUse, DataFolderUnsafe, LedgerError) as exc:  # nothing was read or written through it
         print(f"gpu-provider: {exc}", file=sys.stderr)
         return EXIT_REFUSED
 

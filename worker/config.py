@@ -4,14 +4,23 @@ Settings and State are kept apart, as Maestral does: a person edits settings (th
 or the file), the app alone writes state. Both are small JSON files written atomically; a
 damaged file is moved aside with a clear log line rather than crashing the app or losing the
 other file.
+
+The data folder is this user's alone, and checked to be so before anything in it is used: each
+folder owned by this user and writable by no one else (its parents by this user or the system
+only), else `DataFolderUnsafe`. Every file in it is opened without following a link (O_NOFOLLOW,
+and an lstat where Windows has no such flag) and narrowed through its open descriptor, never by
+path: a link planted in the folder never makes the app write, read or chmod what it points to.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import secrets
+import stat
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -27,6 +36,10 @@ SETTINGS_VERSION = 1
 DEFAULT_COORDINATOR = "local"
 PRIVATE_DIR_MODE = 0o700  # the app's folders: this user only
 PRIVATE_FILE_MODE = 0o600  # logs, ledger, state, pid and status files
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 on Windows: an lstat stands in for it
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted at a file's path never blocks the open
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+MAX_SMALL_FILE_BYTES = 1 << 20  # settings, state, status, owner and key files are a few kB
 _Record = TypeVar("_Record", "Settings", "State")
 
 
@@ -65,9 +78,11 @@ class Paths:
 
     def ensure(self) -> Paths:
         """Every folder exists and only this user can open it (0700), including ones an older
-        version made readable to all: logs, ledger and engine sockets live in them."""
+        version made readable to all: logs, ledger and engine sockets live in them. A folder (or
+        a parent of one) that someone else owns or may write to raises `DataFolderUnsafe`."""
         for folder in (self.config_dir, self.data_dir, self.cache_dir, self.log_dir, self.run_dir):
             private_dir(folder)
+            _check_parents(folder)
         return self
 
     @property
@@ -94,6 +109,11 @@ class Paths:
     def status_file(self) -> Path:
         """The running agent's latest snapshot, read by `gpu-provider status`."""
         return self.run_dir / "status.json"
+
+    @property
+    def local_endpoint_file(self) -> Path:
+        """Local mode's endpoint: its key (kept across runs) and its address (this run's)."""
+        return self.data_dir / "local-endpoint.json"
 
 
 @dataclass(frozen=True)
@@ -149,22 +169,128 @@ class State:
     pause_until: float | None = None  # epoch seconds of a timed pause; None = until resumed
 
 
+class DataFolderUnsafe(OSError):
+    """A folder or file of the data folder is not this user's alone, or is a link to somewhere
+    else; the message names it and says what to do. Nothing was read or written through it."""
+
+
 def private_dir(folder: Path) -> Path:
-    """`folder` (and any parent this makes) created 0700; an existing `folder` is narrowed to 0700."""
+    """`folder` (and any parent this makes) created 0700; an existing `folder` of this user's is
+    narrowed to 0700. Raises `DataFolderUnsafe` when someone else owns it or may write to it."""
     missing = [parent for parent in (folder, *folder.parents) if not parent.exists()]
     for parent in reversed(missing):
         with contextlib.suppress(FileExistsError):
             parent.mkdir(mode=PRIVATE_DIR_MODE)
-    os.chmod(folder, PRIVATE_DIR_MODE)
+    if not hasattr(os, "getuid"):  # Windows: the folder's ACL under the user's profile protects it
+        return folder
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))  # a linked folder of this user's is fine
+    try:
+        info = os.fstat(fd)
+        _check_own_folder(folder, info)
+        if stat.S_IMODE(info.st_mode) != PRIVATE_DIR_MODE:
+            os.fchmod(fd, PRIVATE_DIR_MODE)
+    finally:
+        os.close(fd)
     return folder
 
 
+def _check_own_folder(folder: Path, info: os.stat_result) -> None:
+    if info.st_uid != os.getuid():
+        raise DataFolderUnsafe(
+            f"GPU Provider will not use the folder {folder}: it belongs to another user account, who could "
+            "read or change what GPU Provider keeps there. Use a folder of your own (--data-dir DIR), "
+            "or delete this one and start again.")
+    if info.st_mode & _OTHERS_WRITE:
+        raise DataFolderUnsafe(
+            f"GPU Provider will not use the folder {folder}: other user accounts on this computer may "
+            "write to it, so they could have left files or links there. Make it yours alone "
+            f"(chmod 700 '{folder}') after checking what is inside, or use another folder (--data-dir DIR).")
+
+
+def _check_parents(folder: Path) -> None:
+    """Each parent is this user's or the system's, and no one else may write to it (or it is
+    sticky, as /tmp is): else another account could move the folder and put its own in its place."""
+    if not hasattr(os, "getuid"):
+        return
+    for parent in folder.parents:
+        info = parent.stat()
+        shared = info.st_mode & _OTHERS_WRITE and not info.st_mode & stat.S_ISVTX
+        if info.st_uid not in (0, os.getuid()) or shared:
+            raise DataFolderUnsafe(
+                f"GPU Provider will not use the folder {folder}: another user account may move or replace "
+                f"{parent}, which holds it. Use a folder inside your own home folder (--data-dir DIR).")
+
+
 def private_opener(path: str, flags: int) -> int:
-    """`open(..., opener=private_opener)`: a new file is made 0600, an existing one narrowed to 0600."""
-    fd = os.open(path, flags, PRIVATE_FILE_MODE)
-    if hasattr(os, "fchmod"):  # POSIX; on Windows the folder's ACL is what protects the file
-        os.fchmod(fd, PRIVATE_FILE_MODE)
+    """`open(..., opener=private_opener)`: a new file is made 0600, an existing one narrowed to
+    0600 (through the descriptor). A link or anything but a plain file at `path` raises
+    `DataFolderUnsafe`, its target untouched."""
+    _refuse_link(path)
+    try:
+        fd = os.open(path, flags | NOFOLLOW | _NONBLOCK, PRIVATE_FILE_MODE)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK) or os.path.islink(path):
+            raise _link_refused(path) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DataFolderUnsafe(
+                f"{path} is not a file GPU Provider made (something else is in its place); "
+                "delete it and start again.")
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        if hasattr(os, "fchmod") and stat.S_IMODE(info.st_mode) != PRIVATE_FILE_MODE:
+            os.fchmod(fd, PRIVATE_FILE_MODE)  # POSIX; on Windows the folder's ACL protects the file
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
+
+
+def _refuse_link(path: str) -> None:
+    """Where there is no O_NOFOLLOW (Windows): the lstat that stands in for it."""
+    if not NOFOLLOW and os.path.islink(path):
+        raise _link_refused(path)
+
+
+def _link_refused(path: str) -> DataFolderUnsafe:
+    return DataFolderUnsafe(
+        f"{path} is a link to another file, which GPU Provider never makes: someone or something put it "
+        "there. GPU Provider did not open it nor what it points to. Delete the link and start again.")
+
+
+def read_private_text(path: Path, limit: int = MAX_SMALL_FILE_BYTES) -> str:
+    """A small file of the data folder, read without following a link (`DataFolderUnsafe`) and
+    never past `limit` bytes (ValueError): a reader never blocks or fills memory on what it finds."""
+    with open(path, "rb", opener=_reader) as source:
+        data = source.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is over {limit} bytes")
+    return data.decode("utf-8")
+
+
+def _reader(path: str, flags: int) -> int:
+    _refuse_link(path)
+    try:
+        fd = os.open(path, flags | NOFOLLOW | _NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise _link_refused(path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DataFolderUnsafe(f"{path} is not a file GPU Provider made; delete it and start again.")
+    return fd
+
+
+def narrow_existing(path: Path) -> None:
+    """A file some other program made beside ours (SQLite's -wal and -shm) narrowed to 0600 through
+    its descriptor, if it exists; a link there raises `DataFolderUnsafe`."""
+    try:
+        os.close(private_opener(str(path), os.O_RDONLY))
+    except FileNotFoundError:
+        pass
 
 
 def write_private_text(path: Path, text: str, *, durable: bool = False) -> None:
@@ -191,7 +317,7 @@ def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_private_text(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
@@ -246,3 +372,38 @@ def load_state(paths: Paths) -> State:
 
 def save_state(paths: Paths, state: State) -> None:
     _atomic_write_json(paths.state_file, asdict(state))
+
+
+@dataclass(frozen=True)
+class LocalEndpoint:
+    """What a program on this computer needs to use local mode's endpoint: its address and key."""
+
+    url: str
+    key: str
+
+
+def local_endpoint_key(paths: Paths) -> str:
+    """This data folder's key for the local endpoint: the one kept in its file, else a new one.
+    Kept in the data folder (0600, written and read without following links), not the keyring:
+    the person needs to see it (`gpu-provider status`, the dashboard), and it opens only an
+    endpoint on 127.0.0.1 of this computer, not the person's account."""
+    found = read_local_endpoint(paths)
+    return found.key if found is not None else "gpk-" + secrets.token_urlsafe(32)
+
+
+def save_local_endpoint(paths: Paths, endpoint: LocalEndpoint) -> None:
+    write_private_text(paths.local_endpoint_file, json.dumps(asdict(endpoint)) + "\n", durable=True)
+
+
+def read_local_endpoint(paths: Paths) -> LocalEndpoint | None:
+    """The endpoint's address and key as the node last wrote them; None when there are none."""
+    try:
+        data = json.loads(read_private_text(paths.local_endpoint_file))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    url, key = data.get("url"), data.get("key")
+    if not isinstance(url, str) or not isinstance(key, str) or len(key) < 32:
+        return None
+    return LocalEndpoint(url, key)

@@ -4,7 +4,9 @@ Two copies of the node on one folder would reap each other's engines (pid files)
 and fight over one coordinator identity. The lock is `filelock`'s (flock / LockFileEx): the OS
 drops it when its process dies, so a crash never leaves the folder locked. A sidecar beside it
 names the owner's pid and whether it is still running or already stopping, so that a second
-start can say who holds the folder and what to do, instead of failing in the dark.
+start can say who holds the folder and what to do, instead of failing in the dark. Neither is
+opened through a link: the lock file is made (or checked) without following one before filelock
+opens it, so a link planted there is refused (`DataFolderUnsafe`) whatever filelock's version does.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Literal
 import psutil
 from filelock import FileLock, Timeout
 
-from worker.config import PRIVATE_FILE_MODE, Paths, write_private_text
+from worker.config import PRIVATE_FILE_MODE, Paths, private_opener, read_private_text, write_private_text
 
 LOCK_NAME = "owner.lock"
 OWNER_NAME = "owner.json"
@@ -71,6 +73,7 @@ class DataFolderLock:
         """Own the folder now or raise `DataFolderInUse` naming the owner; never waits."""
         if self.held:
             return
+        self._check_lock_file()
         try:
             self._lock.acquire()
         except Timeout:
@@ -94,6 +97,7 @@ class DataFolderLock:
         lock for an instant, which a starting node may meet as "in use" by no one it can name."""
         if self.held:
             return Owner(os.getpid(), self._read_owner().state)
+        self._check_lock_file()
         try:
             self._lock.acquire()
         except Timeout:
@@ -101,13 +105,17 @@ class DataFolderLock:
         self._lock.release()
         return None
 
+    def _check_lock_file(self) -> None:
+        """The lock file is a plain file of this user's (made 0600 if missing), not a link."""
+        os.close(private_opener(str(self._lock_path), os.O_RDWR | os.O_CREAT))
+
     def _write_owner(self, state: OwnerState) -> None:
         write_private_text(self._owner_path, json.dumps({"pid": os.getpid(), "state": state}) + "\n")
 
     def _read_owner(self) -> Owner:
         """The sidecar's owner, if it is believable: a live pid and a known state."""
         try:
-            record = json.loads(self._owner_path.read_text(encoding="utf-8"))
+            record = json.loads(read_private_text(self._owner_path))
         except (OSError, ValueError):
             return Owner(None)
         pid = record.get("pid") if isinstance(record, dict) else None

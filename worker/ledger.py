@@ -10,7 +10,6 @@ which keeps it off the event loop and never uses it closed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import os
@@ -24,7 +23,7 @@ from datetime import date, datetime, timedelta, tzinfo
 from pathlib import Path
 from typing import Any, TypeVar
 
-from worker.config import PRIVATE_FILE_MODE, private_opener
+from worker.config import DataFolderUnsafe, narrow_existing, private_opener
 from worker.events import DayEarnings, EarningsSnapshot
 from worker.protocol import Price
 
@@ -103,11 +102,12 @@ class LedgerError(Exception):
 
 def _make_private(path: Path) -> None:
     """The ledger file exists, 0600, before SQLite opens it: SQLite gives its `-wal` and `-shm`
-    files the database file's mode, so they are private too. Older, wider ones are narrowed."""
+    files the database file's mode, so they are private too. Older, wider ones are narrowed, through
+    their descriptors. SQLite follows links, so a link at any of them is refused first
+    (`DataFolderUnsafe`), and SQLite never writes, nor narrows, what it points to."""
     os.close(private_opener(str(path), os.O_RDWR | os.O_CREAT))
     for companion in ("-wal", "-shm", "-journal"):
-        with contextlib.suppress(FileNotFoundError):
-            os.chmod(f"{path}{companion}", PRIVATE_FILE_MODE)
+        narrow_existing(Path(f"{path}{companion}"))
 
 
 def earned(price: Price, prompt_tokens: int, completion_tokens: int) -> float:
@@ -146,6 +146,8 @@ class Ledger:
             with self._db:
                 self._db.executescript(_SCHEMA)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except DataFolderUnsafe as exc:  # a link or a stranger at its path: the message says what to do
+            raise LedgerError(f"the earnings ledger cannot be opened: {exc}") from None
         except (sqlite3.DatabaseError, OSError) as exc:
             raise LedgerError(
                 f"the earnings ledger {path} cannot be opened ({exc}); "

@@ -2,7 +2,8 @@
 
 The node writes `run/status.json` through `StatusFile` whenever more than the clock changed, and
 every `STATUS_FILE_S` regardless; `read_status` reads it, checks that the process that wrote it
-is still alive, and `status_table` formats it for people.
+is still alive, adds local mode's endpoint (its address and key) when the node runs in local
+mode, and `status_table` formats it for people. Neither follows a link in the data folder.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import psutil
 
 from worker import __version__
-from worker.config import Paths
+from worker.config import Paths, read_local_endpoint, read_private_text, write_private_text
 from worker.events import NodeSnapshot
 
 STATUS_FILE_S = 10.0  # `gpu-provider status` reads at most this stale a clock
@@ -46,15 +47,12 @@ class StatusFile:
         return due
 
     def write(self, snap: NodeSnapshot | None) -> None:
-        """0600, like every file the app writes, and replaced whole (a reader never sees half)."""
+        """0600, like every file the app writes, and replaced whole (a reader never sees half); a
+        link planted at its path is replaced, never written through."""
         if snap is None or not self._owned():
             return
         data = {"pid": os.getpid(), "version": __version__, "snapshot": asdict(snap)}
-        tmp = self._path.with_suffix(".tmp")
-        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
-            out.write(json.dumps(data, default=str))
-        os.replace(tmp, self._path)
+        write_private_text(self._path, json.dumps(data, default=str))
 
     def remove(self) -> None:
         """The node stopped: no file says it runs (unless the folder is another version's now)."""
@@ -63,9 +61,10 @@ class StatusFile:
 
 
 def read_status(paths: Paths) -> dict[str, Any] | None:
-    """The snapshot as JSON, or None when no node is running for this data folder."""
+    """The snapshot as JSON, or None when no node is running for this data folder. In local mode
+    `local_endpoint` has the endpoint's `url` and `key`."""
     try:
-        data = json.loads(paths.status_file.read_text(encoding="utf-8"))
+        data = json.loads(read_private_text(paths.status_file))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict):
@@ -73,7 +72,16 @@ def read_status(paths: Paths) -> dict[str, Any] | None:
     pid = data.get("pid")
     if not isinstance(pid, int) or not psutil.pid_exists(pid):
         return None
+    endpoint = read_local_endpoint(paths) if _local_mode(data) else None
+    if endpoint is not None:
+        data["local_endpoint"] = {"url": endpoint.url, "key": endpoint.key}
     return data
+
+
+def _local_mode(data: dict[str, Any]) -> bool:
+    snapshot = data.get("snapshot")
+    connection = snapshot.get("connection") if isinstance(snapshot, dict) else None
+    return isinstance(connection, dict) and connection.get("coordinator_url") == "local"
 
 
 def _num(value: Any, unit: str = "", digits: int = 1) -> str:
@@ -95,6 +103,10 @@ def status_table(data: dict[str, Any]) -> str:
     ]
     if snap.get("problem"):
         lines.append(f"  problem     {snap['problem']['title']}: {snap['problem']['message']}")
+    if data.get("local_endpoint"):
+        local = data["local_endpoint"]
+        lines += [f"  local API   {local['url']}   (programs on this computer only)",
+                  f"  API key     {local['key']}   (send it as: Authorization: Bearer KEY)"]
     t = snap["throughput"]
     lines += [
         "throughput (current run)",

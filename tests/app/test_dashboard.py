@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont, QImage
 from PySide6.QtWidgets import QLabel, QPushButton, QWidget
 
@@ -16,7 +17,8 @@ from app import charts, theme
 from app.dashboard import Dashboard
 from app.format import clock_time
 from tests.app import snapshots
-from worker.events import DownloadProgress
+from worker.config import LocalEndpoint
+from worker.events import ConnectionSnapshot, DownloadProgress
 
 JARGON = ("tier", "tensor", "Roofline", "runtime", "Groups [", "physical", "KV ", "pid", "Last error", "Traceback")
 
@@ -439,3 +441,31 @@ def test_narrow_windows_stack_the_cards_in_one_column(dashboard, node, bridge, q
     settle(qapp)
     assert dashboard.middle.columns == 2 and gpus.y() == engines.y()
 
+
+
+def test_local_mode_shows_the_endpoint_and_its_key_with_a_copy_button(bridge, node, qtbot, qapp):
+    endpoint = LocalEndpoint("http://127.0.0.1:8090/v1", "gpk-" + "k" * 43)
+    reads = []
+
+    def read() -> LocalEndpoint:
+        reads.append(1)
+        return endpoint
+
+    window = Dashboard(bridge, local_endpoint=read)
+    qtbot.addWidget(window)
+    show(node, qtbot, bridge, replace(snapshots.idle(), connection=ConnectionSnapshot("local", "connected")))
+    assert f"Programs on this computer can use {endpoint.url} with the key {endpoint.key}" in on_screen(window)
+    assert "Copy key" in on_screen(window)
+    qtbot.mouseClick(window.copy_key_button, Qt.MouseButton.LeftButton)
+    assert qapp.clipboard().text() == endpoint.key
+    show(node, qtbot, bridge, replace(snapshots.serving(), connection=ConnectionSnapshot("local", "connected")))
+    assert len(reads) == 1  # read once the node connected, then kept
+    show(node, qtbot, bridge, snapshots.serving())  # a network's coordinator: no local endpoint
+    assert endpoint.key not in on_screen(window) and "Copy key" not in on_screen(window)
+
+
+def test_no_key_is_shown_before_the_node_wrote_one(bridge, node, qtbot):
+    window = Dashboard(bridge, local_endpoint=lambda: None)
+    qtbot.addWidget(window)
+    show(node, qtbot, bridge, replace(snapshots.idle(), connection=ConnectionSnapshot("local", "connecting")))
+    assert "Programs on this computer" not in on_screen(window) and "Copy key" not in on_screen(window)

@@ -1,13 +1,15 @@
 """One owner per data folder, with real processes: while `gpu-provider run --headless` drains a
 request on its engine, a second node on the same folder (the CLI, or `Node.run` in-process) stops
 at once with a clear error and leaves that engine and its pid file alone; once the first owner
-has stopped, a new one starts."""
+has stopped, a new one starts. And the folder is this user's alone: one that another account owns
+or may write to is refused before anything in it is used."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -21,7 +23,7 @@ import pytest
 from tests.integration.test_node import STATE_TIMEOUT_S, free_ports, hardware_file
 from tests.integration.test_node_headless import GPU_PROVIDER, until_ready
 from worker import procs
-from worker.config import Paths, Settings
+from worker.config import DataFolderUnsafe, Paths, Settings, read_local_endpoint
 from worker.datalock import DataFolderInUse, DataFolderLock, Owner
 from worker.node import Node
 
@@ -45,13 +47,15 @@ def headless(data_dir: Path, hardware: Path, vllm_standin: Path, model: Path, po
             "--openai-port", str(port)]
 
 
-def slow_request(port: int, first_token: threading.Event) -> None:
+def slow_request(paths: Paths, first_token: threading.Event) -> None:
     """A streamed answer that is still coming when the node is told to stop; it may be cut."""
     body = {"model": "fake-model", "max_tokens": 200, "stream": True,
             "messages": [{"role": "user", "content": "take your time"}]}
+    endpoint = read_local_endpoint(paths)
+    assert endpoint is not None, "the node wrote no endpoint file"
     try:
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, trust_env=False,
-                          timeout=STATE_TIMEOUT_S) as response:
+        with httpx.stream("POST", f"{endpoint.url}/chat/completions", json=body, trust_env=False,
+                          headers={"Authorization": f"Bearer {endpoint.key}"}, timeout=STATE_TIMEOUT_S) as response:
             for line in response.iter_lines():
                 if '"content"' in line:
                     first_token.set()
@@ -87,7 +91,7 @@ def test_a_second_node_on_a_draining_folder_is_refused_and_touches_nothing(tmp_p
         engine = procs.read_pid_file(procs.pid_file(paths.run_dir, "e0"))
         assert engine is not None and alive(engine.pid)
         first_token = threading.Event()
-        threading.Thread(target=slow_request, args=(port, first_token), daemon=True).start()
+        threading.Thread(target=slow_request, args=(paths, first_token), daemon=True).start()
         assert first_token.wait(STATE_TIMEOUT_S), "the request never started"
 
         first.send_signal(signal.SIGTERM)
@@ -125,3 +129,44 @@ async def a_new_owner_starts(paths: Paths, hardware: Path) -> None:
         node.shutdown()
         await asyncio.wait_for(running, STATE_TIMEOUT_S)
     assert DataFolderLock(paths).owner() is None
+
+
+def run_headless_on(data_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(GPU_PROVIDER), "run", "--headless", "--data-dir", str(data_dir), "--coordinator", "none"],
+                          capture_output=True, text=True, timeout=STATE_TIMEOUT_S, check=False)
+
+
+@pytest.mark.parametrize("folder", ["data", "logs", "run", "config"])
+def test_a_folder_others_may_write_to_is_refused_before_anything_is_used(tmp_path: Path, folder: str) -> None:
+    data_dir = tmp_path / "node"
+    paths = Paths.under(data_dir).ensure()
+    shared = data_dir / folder
+    os.chmod(shared, 0o777)
+    planted = shared / "left-by-someone"
+    planted.write_text("x")
+    refused = run_headless_on(data_dir)
+    assert refused.returncode == 2, refused.stderr
+    assert f"GPU Provider will not use the folder {shared}: other user accounts" in refused.stderr
+    assert f"chmod 700 '{shared}'" in refused.stderr and "Traceback" not in refused.stderr
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o777  # left as found: the person decides
+    assert not paths.status_file.exists() and not (paths.data_dir / "owner.lock").exists()
+
+
+def test_a_root_others_may_write_to_is_refused(tmp_path: Path) -> None:
+    data_dir = tmp_path / "node"
+    Paths.under(data_dir).ensure()
+    os.chmod(data_dir, 0o777)  # another account could swap any folder inside for its own
+    refused = run_headless_on(data_dir)
+    assert refused.returncode == 2, refused.stderr
+    assert f"another user account may move or replace {data_dir}" in refused.stderr
+
+
+def test_a_folder_another_account_owns_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder's owner as the OS reports it against the uid this process runs as (faked at os)."""
+    paths = Paths.under(tmp_path / "node").ensure()
+    someone_else = os.getuid() + 1
+    monkeypatch.setattr(os, "getuid", lambda: someone_else)
+    with pytest.raises(DataFolderUnsafe, match="it belongs to another user account"):
+        paths.ensure()
+    with pytest.raises(DataFolderUnsafe, match="it belongs to another user account"):
+        Node(paths, Settings(), coordinator_url="none")

@@ -1,4 +1,5 @@
-"""The two file attacks of issue 12, against a real node serving a real llama-server on CPU.
+"""File attacks: the two of issue 12 against a real node serving a real llama-server on CPU, and
+the links of issue 21 planted in a data folder before the node starts.
 
 Before the allowlist, `--log-file ~/.ssh/authorized_keys -v` with an inline chat template that
 printed a public key truncated the file to the engine's log (one line of it the attacker's key),
@@ -6,18 +7,45 @@ and `--chat-template-file ~/.ssh/id_ed25519 -v` followed by one ordinary complet
 private key in `__verbose.prompt`. Here both arrive as a replacement for a serving assignment and
 as the first assignment of an idle node: the target file keeps its bytes and its mtime, and no
 relayed answer holds the secret.
+
+Before no-follow opens, a link planted in the data folder at the log file, the status file's
+temporary, the ledger or its -wal/-shm, or the lock was followed: the target was truncated or
+written and chmodded 0600. Here each is planted pointing at a file of the person's: the target
+keeps its bytes, its mtime and its mode, and the node either replaces the link (files it rewrites
+whole) or refuses with a message that names the link and what to do.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import stat
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_node import STATE_TIMEOUT_S, running_node
+from tests.integration.test_node_headless import GPU_PROVIDER
 from tests.support.engines import LlamaServer
-from worker import protocol
+from worker import applog, protocol
+from worker.config import (
+    DataFolderUnsafe,
+    LocalEndpoint,
+    Paths,
+    Settings,
+    load_settings,
+    load_state,
+    read_local_endpoint,
+    save_local_endpoint,
+    save_settings,
+)
+from worker.datalock import LOCK_NAME, OWNER_NAME, DataFolderLock
+from worker.events import NodeSnapshot
+from worker.ledger import Ledger, LedgerError
+from worker.status import StatusFile, read_status
 
 pytestmark = pytest.mark.integration
 
@@ -98,3 +126,153 @@ async def test_file_attacks_refused_on_an_idle_node_and_nothing_starts(
         assert run.engine_pids == set()
         assert "SECRET-MARKER" not in json.dumps([m.model_dump() for m in run.coordinator.received])
     assert unchanged(before)
+
+
+# --- links planted in the data folder (issue 21) -----------------------------------------------------
+
+Target = tuple[bytes, int, int]
+
+
+def person_file(tmp_path: Path) -> Path:
+    """A file of the person's that a planted link points at: readable by all, as most are."""
+    target = tmp_path / "home" / "notes.txt"
+    target.parent.mkdir(exist_ok=True)
+    target.write_text("the person's own notes\n", encoding="utf-8")
+    os.chmod(target, 0o644)
+    return target
+
+
+def seen(target: Path) -> Target:
+    info = target.stat()
+    return target.read_bytes(), info.st_mtime_ns, stat.S_IMODE(info.st_mode)
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> Paths:
+    return Paths.under(tmp_path / "node").ensure()
+
+
+@pytest.fixture
+def restored_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def refused(use: Callable[[], object], error: type[Exception] = DataFolderUnsafe) -> str:
+    with pytest.raises(error) as raised:
+        use()
+    return str(raised.value)
+
+
+LEDGER_LINKS = ["", "-wal", "-shm", "-journal"]
+
+
+@pytest.mark.parametrize("suffix", LEDGER_LINKS)
+def test_a_link_at_the_ledger_or_its_companions_is_refused_and_its_target_untouched(
+        paths: Paths, tmp_path: Path, suffix: str) -> None:
+    target = person_file(tmp_path)
+    before = seen(target)
+    link = Path(f"{paths.ledger_file}{suffix}")
+    link.symlink_to(target)
+    message = refused(lambda: Ledger(paths.ledger_file), LedgerError)
+    assert f"{link} is a link to another file" in message and "Delete the link" in message
+    assert seen(target) == before
+
+
+def test_a_link_at_the_log_file_is_refused_and_no_line_is_written_through_it(
+        paths: Paths, tmp_path: Path, restored_logging: None) -> None:
+    target = person_file(tmp_path)
+    before = seen(target)
+    applog.log_file(paths).symlink_to(target)
+    message = refused(lambda: applog.configure(paths, console=False))
+    assert f"{applog.log_file(paths)} is a link to another file" in message
+    logging.getLogger("test").error("a line that must not reach the person's file")
+    assert seen(target) == before
+
+
+def test_a_link_at_a_rotated_log_is_moved_as_a_link_never_written_through(
+        paths: Paths, tmp_path: Path, restored_logging: None) -> None:
+    target = person_file(tmp_path)
+    before = seen(target)
+    rotated = Path(f"{applog.log_file(paths)}.1")
+    rotated.symlink_to(target)
+    applog.configure(paths, console=False)
+    logging.getLogger("test").info("one line")
+    handler = next(h for h in logging.getLogger().handlers if isinstance(h, logging.handlers.RotatingFileHandler))
+    handler.doRollover()
+    logging.getLogger("test").info("another line")
+    assert seen(target) == before
+    assert not applog.log_file(paths).is_symlink() and "another line" in applog.log_file(paths).read_text()
+
+
+@pytest.mark.parametrize("name", [LOCK_NAME, OWNER_NAME])
+def test_a_link_at_the_lock_or_its_sidecar_is_never_followed(paths: Paths, tmp_path: Path, name: str) -> None:
+    target = person_file(tmp_path)
+    before = seen(target)
+    (paths.data_dir / name).symlink_to(target)
+    lock = DataFolderLock(paths)
+    if name == LOCK_NAME:
+        assert f"{paths.data_dir / name} is a link to another file" in refused(lock.acquire)
+        assert f"{paths.data_dir / name} is a link to another file" in refused(lock.owner)
+    else:  # the sidecar is rewritten whole: the link is replaced, and read through by no one
+        lock.acquire()
+        assert json.loads((paths.data_dir / name).read_text())["pid"] == os.getpid()
+        lock.release()
+    assert seen(target) == before
+
+
+def test_a_link_at_the_status_files_is_replaced_and_its_target_untouched(paths: Paths, tmp_path: Path) -> None:
+    target = person_file(tmp_path)
+    before = seen(target)
+    paths.status_file.symlink_to(target)
+    paths.status_file.with_suffix(".tmp").symlink_to(target)
+    assert read_status(paths) is None
+    StatusFile(paths, lambda: True).write(NodeSnapshot(at=1.0, state="ready", node_id="n", runtime="cpu"))
+    assert seen(target) == before and not paths.status_file.is_symlink()
+
+
+@pytest.mark.parametrize("which", ["settings", "state", "local endpoint"])
+def test_a_link_at_settings_state_or_the_endpoint_key_is_set_aside_never_read_or_written_through(
+        paths: Paths, tmp_path: Path, which: str) -> None:
+    """A link at settings.json could hand the node another coordinator; it is moved aside, as a
+    damaged file is, and the node starts from defaults (and a fresh key)."""
+    target = tmp_path / "home" / "evil.json"
+    target.parent.mkdir()
+    planted = {"coordinator_url": "wss://evil.example/v1/node", "node_id": "evil", "setup_complete": True,
+               "url": "http://127.0.0.1:8090/v1", "key": "k" * 40}
+    target.write_text(json.dumps(planted), encoding="utf-8")
+    os.chmod(target, 0o644)
+    before = seen(target)
+    file = {"settings": paths.settings_file, "state": paths.state_file,
+            "local endpoint": paths.local_endpoint_file}[which]
+    file.symlink_to(target)
+    if which == "settings":
+        assert load_settings(paths).coordinator_url != planted["coordinator_url"]
+        save_settings(paths, Settings())
+    elif which == "state":
+        assert load_state(paths).node_id != "evil"
+    else:
+        assert read_local_endpoint(paths) is None
+        save_local_endpoint(paths, LocalEndpoint("http://127.0.0.1:8090/v1", "n" * 40))
+    assert seen(target) == before and not file.is_symlink()
+
+
+def test_the_headless_node_refuses_to_start_on_a_planted_link_and_says_why(tmp_path: Path) -> None:
+    data_dir = tmp_path / "node"
+    paths = Paths.under(data_dir).ensure()
+    target = person_file(tmp_path)
+    before = seen(target)
+    applog.log_file(paths).symlink_to(target)
+    started = subprocess.run([str(GPU_PROVIDER), "run", "--headless", "--data-dir", str(data_dir),
+                              "--coordinator", "none"], capture_output=True, text=True, timeout=60, check=False)
+    assert started.returncode == 2, started.stderr
+    assert f"{applog.log_file(paths)} is a link to another file" in started.stderr
+    assert "Traceback" not in started.stderr
+    assert seen(target) == before

@@ -1,6 +1,6 @@
 """What the app writes is this user's alone: folders 0700, and logs, ledger (with SQLite's -wal and
 -shm), state, settings, pid and status files 0600, from the first byte and after an older version
-left them wider."""
+left them wider; a folder others may write to is refused, and no file is opened through a link."""
 
 from __future__ import annotations
 
@@ -15,7 +15,18 @@ from pathlib import Path
 import pytest
 
 from worker import applog, procs
-from worker.config import Paths, Settings, load_settings, load_state, private_dir, save_settings, write_private_text
+from worker.config import (
+    DataFolderUnsafe,
+    Paths,
+    Settings,
+    load_settings,
+    load_state,
+    private_dir,
+    private_opener,
+    read_private_text,
+    save_settings,
+    write_private_text,
+)
 from worker.ledger import Ledger
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX; Windows uses the folder's ACL")
@@ -40,13 +51,65 @@ def test_every_data_folder_is_made_private(tmp_path: Path) -> None:
     assert mode(tmp_path / "root") == 0o700  # made by the app, so its own too
 
 
-def test_existing_wide_folders_are_narrowed(tmp_path: Path) -> None:
+def test_existing_readable_folders_are_narrowed(tmp_path: Path) -> None:
     paths = Paths.under(tmp_path)
     paths.log_dir.mkdir(mode=0o755)
-    paths.run_dir.mkdir(mode=0o777)
-    os.chmod(paths.run_dir, 0o777)
+    paths.run_dir.mkdir(mode=0o711)
     paths.ensure()
     assert (mode(paths.log_dir), mode(paths.run_dir)) == (0o700, 0o700)
+
+
+@pytest.mark.parametrize("wide", [0o777, 0o770, 0o702])
+def test_a_folder_others_may_write_to_is_refused_and_left_as_found(tmp_path: Path, wide: int) -> None:
+    paths = Paths.under(tmp_path)
+    paths.run_dir.mkdir(parents=True)
+    os.chmod(paths.run_dir, wide)
+    with pytest.raises(DataFolderUnsafe, match="other user accounts on this computer may write to it"):
+        paths.ensure()
+    assert mode(paths.run_dir) == wide
+
+
+def test_a_sticky_shared_parent_like_tmp_is_fine_and_a_plain_shared_one_is_not(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    Paths.under(shared / "node").ensure()
+    os.chmod(shared, 0o777)
+    with pytest.raises(DataFolderUnsafe, match=f"another user account may move or replace {shared}"):
+        Paths.under(shared / "node").ensure()
+
+
+def test_a_fifo_at_a_file_path_is_refused_without_blocking(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path).ensure()
+    os.mkfifo(paths.data_dir / "owner.lock")
+    with pytest.raises(DataFolderUnsafe, match="not a file GPU Provider made"):
+        os.close(private_opener(str(paths.data_dir / "owner.lock"), os.O_RDWR | os.O_CREAT))
+    os.mkfifo(paths.state_file)
+    with pytest.raises(DataFolderUnsafe, match="not a file GPU Provider made"):
+        read_private_text(paths.state_file)
+
+
+def test_a_link_is_not_opened_and_an_older_file_is_narrowed_through_its_descriptor(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("keep\n")
+    os.chmod(target, 0o644)
+    link = tmp_path / "log"
+    link.symlink_to(target)
+    with pytest.raises(DataFolderUnsafe, match="is a link to another file"):
+        private_opener(str(link), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    with pytest.raises(DataFolderUnsafe, match="is a link to another file"):
+        read_private_text(link)
+    assert (target.read_text(), mode(target)) == ("keep\n", 0o644)
+    os.close(private_opener(str(target), os.O_RDONLY))
+    assert mode(target) == 0o600
+
+
+def test_a_small_file_read_stops_at_its_limit(tmp_path: Path) -> None:
+    big = tmp_path / "status.json"
+    big.write_bytes(b"x" * 101)
+    with pytest.raises(ValueError, match="over 100 bytes"):
+        read_private_text(big, limit=100)
+    assert read_private_text(big, limit=101) == "x" * 101
 
 
 def test_settings_and_state_files_are_private(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The status file: when the node rewrites it, how (0600, whole), and `gpu-provider status` reading it."""
+"""The status file: when the node rewrites it, how (0600, whole, never through a link), and
+`gpu-provider status` reading it (with local mode's endpoint and key)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import stat
 from pathlib import Path
 
 from worker import __version__
-from worker.config import Paths
-from worker.events import NodeSnapshot, ThroughputSnapshot
+from worker.config import LocalEndpoint, Paths, local_endpoint_key, save_local_endpoint
+from worker.events import ConnectionSnapshot, NodeSnapshot, ThroughputSnapshot
 from worker.status import STATUS_FILE_S, StatusFile, read_status, status_table
 
 SNAP = NodeSnapshot(at=1.0, state="ready", node_id="n-1", runtime="native", model="qwen3-8b")
@@ -68,3 +69,34 @@ def test_the_table_shows_what_the_file_says(tmp_path: Path) -> None:
     assert data is not None
     table = status_table(data)
     assert "state       ready" in table and "model       qwen3-8b" in table
+
+
+def test_in_local_mode_status_shows_the_endpoint_and_its_key(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path).ensure()
+    key = local_endpoint_key(paths)
+    save_local_endpoint(paths, LocalEndpoint("http://127.0.0.1:8090/v1", key))
+    StatusFile(paths, lambda: True).write(SNAP)
+    data = read_status(paths)
+    assert data is not None and data["local_endpoint"] == {"url": "http://127.0.0.1:8090/v1", "key": key}
+    table = status_table(data)
+    assert "local API   http://127.0.0.1:8090/v1" in table and f"API key     {key}" in table
+    networked = dataclasses.replace(SNAP, connection=ConnectionSnapshot("wss://example.net/v1/node", "connected"))
+    StatusFile(paths, lambda: True).write(networked)
+    data = read_status(paths)
+    assert data is not None and "local_endpoint" not in data and key not in status_table(data)
+
+
+def test_a_link_planted_at_the_status_file_is_replaced_and_its_target_untouched(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path / "node").ensure()
+    target = tmp_path / "precious"
+    target.write_text("the person's file\n")
+    os.chmod(target, 0o644)
+    before = (target.read_bytes(), target.stat().st_mtime_ns, stat.S_IMODE(target.stat().st_mode))
+    paths.status_file.symlink_to(target)
+    paths.status_file.with_suffix(".tmp").symlink_to(target)  # where the writer used to put its next file
+    assert read_status(paths) is None  # read through no link either
+    StatusFile(paths, lambda: True).write(SNAP)
+    assert (target.read_bytes(), target.stat().st_mtime_ns, stat.S_IMODE(target.stat().st_mode)) == before
+    assert not paths.status_file.is_symlink() and stat.S_IMODE(paths.status_file.lstat().st_mode) == 0o600
+    data = read_status(paths)
+    assert data is not None and data["snapshot"]["model"] == "qwen3-8b"

@@ -13,7 +13,7 @@ from worker.localnet.coordinator import (
     NoNode,
     ReferenceCoordinator,
 )
-from worker.localnet.local import DEFAULT_OPENAI_PORT, HasRuntime, LocalCoordinator
+from worker.localnet.local import DEFAULT_OPENAI_PORT, HasRuntime, LocalCoordinator, LocalEndpointError
 from worker.localnet.openai_endpoint import OpenAIEndpoint, host_problem, origin_problem
 from worker.localnet.sizing import DEFAULT_LOCAL_MODEL, LocalModelError, local_assignment
 
@@ -26,6 +26,7 @@ __all__ = [
     "Exchange",
     "HasRuntime",
     "LocalCoordinator",
+    "LocalEndpointError",
     "LocalModelError",
     "NoNode",
     "OpenAIEndpoint",

@@ -4,14 +4,20 @@ Each HTTP request under /v1/ becomes a `request` frame to the node, and its `res
 frames stream back as the HTTP answer, so a person can `curl` their own node or point an
 OpenAI client at it. aiohttp speaks HTTP; this module only decides what is served.
 
-It answers programs on this computer only. A request addressed to another host name (a web
-page using DNS rebinding) or sent by a web page from another origin is refused before it
-reaches the node, and no CORS header is ever granted.
+It answers programs on this computer only, and of those only the ones that send its key
+(`Authorization: Bearer KEY`, compared in constant time): another account on a shared computer
+can reach 127.0.0.1 too. A request addressed to another host name (a web page using DNS
+rebinding), sent by a web page from another origin, or without the key is refused before it
+reaches the node, on every path; no CORS header is ever granted. It listens on both loopback
+addresses (127.0.0.1 and, where the computer has it, ::1), so that no other program can hold the
+one that `localhost` leads a client to first; a port taken on either is an error, never a move.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import hmac
 import http
 import json
 import re
@@ -29,18 +35,37 @@ MAX_BODY_BYTES = protocol.MAX_FRAME_BYTES - 64 * 1024  # what still fits one `re
 _SHUTDOWN_S = 1.0  # answers still streaming when the endpoint stops are cut after this long
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 _LOOPBACK_ORIGIN = re.compile(r"https?://(?:127\.0\.0\.1|localhost|\[::1\])(?::([0-9]{1,5}))?")
-_SINGLE_HEADERS = ("Host", "Origin")  # a request that repeats one could show each check a different value
+_SINGLE_HEADERS = ("Host", "Origin", "Authorization")  # repeated, each check could see a different value
+_NO_IPV6 = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)  # ::1 missing: 127.0.0.1 alone is every loopback there is
+_PORT_0_TRIES = 5  # port 0: 127.0.0.1's free port may be taken on ::1; another free one is tried
 
 
 class OpenAIEndpoint:
-    """HTTP on 127.0.0.1 for one coordinator. `await start()` (OSError when the port is taken)."""
+    """HTTP on loopback for one coordinator, for callers with `key`. `await start()` (OSError
+    when the port is taken)."""
 
-    def __init__(self, coordinator: ReferenceCoordinator, *, port: int = 0) -> None:
+    def __init__(self, coordinator: ReferenceCoordinator, *, key: str, port: int = 0) -> None:
+        if not key:
+            raise ValueError("the endpoint needs a key")
         self._coordinator = coordinator
+        self._key = f"Bearer {key}".encode()
         self._port = port
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> Self:
+        for _ in range(_PORT_0_TRIES if self._port == 0 else 1):
+            try:
+                self._runner = await self._listen()
+                break
+            except OSError as exc:
+                if self._port != 0 or exc.errno != errno.EADDRINUSE:
+                    raise
+        else:
+            raise OSError(errno.EADDRINUSE, "no port was free on both 127.0.0.1 and ::1")
+        self._port = self._runner.addresses[0][1]
+        return self
+
+    async def _listen(self) -> web.AppRunner:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_route("*", "/{path:.*}", self._handle)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
@@ -49,12 +74,11 @@ class OpenAIEndpoint:
         await runner.setup()
         try:
             await web.TCPSite(runner, "127.0.0.1", self._port).start()
+            await _listen_on_ipv6_loopback(runner, runner.addresses[0][1])
         except OSError:
             await runner.cleanup()
             raise
-        self._runner = runner
-        self._port = runner.addresses[0][1]
-        return self
+        return runner
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -85,10 +109,13 @@ class OpenAIEndpoint:
         try:
             return await self._serve(request)
         except _Refusal as refusal:
-            return _error_response(refusal.status, refusal.code, refusal.message)
+            response = _error_response(refusal.status, refusal.code, refusal.message)
+            response.headers.update(refusal.headers)
+            return response
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         _refuse_other_sites(request, self._port)
+        self._refuse_without_key(request)
         path = request.raw_path.split("?", 1)[0]
         if request.method == "GET" and path == "/v1/models":
             return _json_response(200, self._models())
@@ -102,6 +129,14 @@ class OpenAIEndpoint:
             raise _Refusal(503, "no_node",
                            "no node is connected to this coordinator; start one with `gpu-provider run`") from None
         return await self._relay(request, exchange)
+
+    def _refuse_without_key(self, request: web.BaseRequest) -> None:
+        """401 unless `Authorization: Bearer KEY` is this endpoint's key (compared in constant time)."""
+        given = request.headers.get("Authorization", "").strip().encode("utf-8", "replace")
+        if not hmac.compare_digest(given, self._key):
+            raise _Refusal(401, "unauthorized",
+                           "this endpoint needs its key: send `Authorization: Bearer KEY`, with the key that "
+                           "`gpu-provider status` (or the app's Connection card) shows", {"WWW-Authenticate": "Bearer"})
 
     def _models(self) -> dict[str, Any]:
         assign = self._coordinator.assign
@@ -175,9 +210,19 @@ class _Answer:
 class _Refusal(Exception):
     """An answer the endpoint gives itself, as an OpenAI-style error."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.headers = dict(headers or {})
+
+
+async def _listen_on_ipv6_loopback(runner: web.AppRunner, port: int) -> None:
+    """::1 on `port` too, unless this computer has no IPv6 loopback (then there is nothing to hold)."""
+    try:
+        await web.TCPSite(runner, "::1", port).start()
+    except OSError as exc:
+        if exc.errno not in _NO_IPV6:
+            raise
 
 
 async def _json_body(request: web.Request) -> Any:

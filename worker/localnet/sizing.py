@@ -31,6 +31,8 @@ _BYTES_PER_PARAM = (("q2", 0.35), ("q3", 0.45), ("q4", 0.6), ("q5", 0.7), ("q6",
 class LocalModelError(ValueError):
     """The model given for local mode cannot be used; the message says why and what to do."""
 
+    title = "The local model cannot be used"  # the problem's title where a person sees it
+
 
 def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int | None = None) -> protocol.Assign:
     """The `assign` local mode sends: llama.cpp for a GGUF file (path or URL), vLLM for a model

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.support.fake_engine import FakeEngine
-from tests.worker.localnet.nodes import ASSIGN, TOKEN, MiniNode
+from tests.worker.localnet.nodes import ASSIGN, KEY, TOKEN, MiniNode
 from worker.localnet import OpenAIEndpoint, ReferenceCoordinator
 from worker.relay import engine_http_client
 
@@ -34,7 +34,7 @@ async def coordinator() -> AsyncIterator[ReferenceCoordinator]:
 
 @pytest.fixture
 async def endpoint(coordinator: ReferenceCoordinator) -> AsyncIterator[OpenAIEndpoint]:
-    async with OpenAIEndpoint(coordinator) as openai:
+    async with OpenAIEndpoint(coordinator, key=KEY) as openai:
         yield openai
 
 

@@ -16,6 +16,7 @@ from worker.link import Backoff, Link
 from worker.relay import EngineTarget, Relay
 
 TOKEN = "local-token"
+KEY = "endpoint-key-0123456789abcdef0123456789abcdef"  # what callers of the OpenAI endpoint send
 HELLO = protocol.Hello(
     node_id="node-1", app_version="0.1.0",
     platform=protocol.PlatformInfo(os="linux", runtime="cpu", arch="x86_64"),

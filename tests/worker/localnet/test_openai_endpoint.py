@@ -1,23 +1,27 @@
-"""The OpenAI-compatible endpoint: HTTP in front of the reference coordinator, for this computer only."""
+"""The OpenAI-compatible endpoint: HTTP in front of the reference coordinator, for this computer only
+and for callers with its key."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import socket
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from tests.support.fake_engine import Behaviour, FakeEngine
-from tests.worker.localnet.nodes import MiniNode, ScriptedNode
+from tests.worker.localnet.nodes import KEY, MiniNode, ScriptedNode
 from worker import protocol
 from worker.localnet import OpenAIEndpoint, ReferenceCoordinator, host_problem, openai_endpoint, origin_problem
 from worker.localnet.coordinator import DEFAULT_DEADLINE_S
 
 
-def client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(trust_env=False)
+def client(key: str | None = KEY) -> httpx.AsyncClient:
+    """A program on this computer that sends `key` (None: no Authorization header)."""
+    return httpx.AsyncClient(trust_env=False, headers={"Authorization": f"Bearer {key}"} if key is not None else {})
 
 
 async def direct_stream(engine: FakeEngine, http: httpx.AsyncClient, body: dict[str, object]) -> str:
@@ -31,11 +35,11 @@ def port_of(endpoint: OpenAIEndpoint) -> int:
 
 
 async def raw_exchange(endpoint: OpenAIEndpoint, raw: bytes) -> tuple[int, bytes]:
-    """Sends `raw` (PORT replaced by the endpoint's port); the answer's status and body."""
+    """Sends `raw` (PORT and KEY replaced by the endpoint's); the answer's status and body."""
     port = port_of(endpoint)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(raw.replace(b"PORT", str(port).encode()))
+        writer.write(raw.replace(b"PORT", str(port).encode()).replace(b"KEY", KEY.encode()))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         status_line, *lines = head.decode("latin-1").split("\r\n")
         headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines if ":" in line)}
@@ -188,13 +192,19 @@ async def test_an_answer_without_a_head_is_a_502(coordinator: ReferenceCoordinat
 # --- what it refuses ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw, status, reason", [
-    (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\n\r\n", 404, b"no route GET /metrics"),
-    (b"DELETE /v1/models HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\n\r\n", 404, b"no route DELETE /v1/models"),
+    (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nAuthorization: Bearer KEY\r\n\r\n", 404,
+     b"no route GET /metrics"),
+    (b"DELETE /v1/models HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nAuthorization: Bearer KEY\r\n\r\n", 404,
+     b"no route DELETE /v1/models"),
     (b"GET /v1/models HTTP/1.1\r\nHost: \r\n\r\n", 400, b"no Host header"),
     (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nOrigin: http://localhost\r\nOrigin: https://evil.example"
      b"\r\n\r\n", 400, b"repeats its Origin header"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nContent-Length: 99999999\r\n\r\n", 413,
-     b"the body is over"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nAuthorization: Bearer KEY\r\n"
+     b"Content-Length: 99999999\r\n\r\n", 413, b"the body is over"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nContent-Length: 99999999\r\n\r\n", 401,
+     b"needs its key"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:PORT\r\nAuthorization: Bearer KEY\r\n"
+     b"Authorization: Bearer wrong\r\n\r\n", 400, b"repeats its Authorization header"),
 ])
 async def test_http_endpoint_refuses_what_it_cannot_serve(endpoint: OpenAIEndpoint, node: MiniNode, raw: bytes,
                                                           status: int, reason: bytes) -> None:
@@ -225,7 +235,7 @@ async def test_a_body_too_large_for_one_frame_is_refused(coordinator: ReferenceC
     async def parts() -> AsyncIterator[bytes]:
         yield b'{"prompt": "' + b"x" * 2000 + b'"}'
 
-    async with OpenAIEndpoint(coordinator) as small, client() as http_client:
+    async with OpenAIEndpoint(coordinator, key=KEY) as small, client() as http_client:
         content = parts() if chunked else b'{"prompt": "' + b"x" * 2000 + b'"}'
         refused = await http_client.post(f"{small.url}/completions", content=content)
     assert refused.status_code == 413
@@ -315,10 +325,56 @@ def test_origin_problem_takes_only_loopback_origins(origin: str, fine: bool) -> 
 
 async def test_the_http_endpoint_listens_on_loopback_only(endpoint: OpenAIEndpoint) -> None:
     assert endpoint.url.startswith("http://127.0.0.1:")
-    assert [address[0] for address in endpoint.addresses] == ["127.0.0.1"]
+    port = port_of(endpoint)
+    assert sorted((address[0], address[1]) for address in endpoint.addresses) == [("127.0.0.1", port), ("::1", port)]
 
 
 async def test_a_taken_port_raises_and_leaves_nothing_behind(coordinator: ReferenceCoordinator,
                                                              endpoint: OpenAIEndpoint) -> None:
     with pytest.raises(OSError):
-        await OpenAIEndpoint(coordinator, port=port_of(endpoint)).start()
+        await OpenAIEndpoint(coordinator, key=KEY, port=port_of(endpoint)).start()
+
+
+@pytest.mark.parametrize("family, loopback", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")])
+async def test_a_port_another_program_holds_on_either_loopback_is_an_error(
+        coordinator: ReferenceCoordinator, family: socket.AddressFamily, loopback: str) -> None:
+    """A squatter on ::1 would get what a client of `localhost:PORT` sends (key and prompts) first."""
+    with socket.socket(family) as squatter:
+        squatter.bind((loopback, 0))
+        squatter.listen()
+        with pytest.raises(OSError) as raised:
+            await OpenAIEndpoint(coordinator, key=KEY, port=squatter.getsockname()[1]).start()
+    assert raised.value.errno == errno.EADDRINUSE
+
+
+# --- the key ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("authorization", [
+    None, "", "Bearer", f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", f"bearer {KEY}", KEY, f"Basic {KEY}",
+    f"Bearer {KEY[:-1]}\u00e9".encode(),
+])
+async def test_a_request_without_the_key_is_401_on_every_path_and_never_reaches_the_node(
+        endpoint: OpenAIEndpoint, node: MiniNode, engine: FakeEngine, authorization: str | bytes | None) -> None:
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    async with client(None) as http_client:
+        for method, path in (("POST", "/chat/completions"), ("POST", "/completions"), ("GET", "/models"),
+                             ("GET", "/../metrics"), ("OPTIONS", "/chat/completions")):
+            refused = await http_client.request(method, f"{endpoint.url}{path}", json={"prompt": "x"},
+                                                headers=headers)
+            assert refused.status_code == 401, (method, path, refused.text)
+            assert refused.json()["error"]["code"] == "unauthorized"
+            assert "gpu-provider status" in refused.json()["error"]["message"]
+            assert refused.headers["www-authenticate"] == "Bearer"
+    assert node.requests == [] and engine.records == []
+
+
+async def test_with_the_key_the_same_request_is_served(endpoint: OpenAIEndpoint, node: MiniNode) -> None:
+    async with client() as http_client:
+        served = await http_client.post(f"{endpoint.url}/completions", json={"prompt": "x", "max_tokens": 1})
+    assert served.status_code == 200, served.text
+    assert [r.path for r in node.requests] == ["/v1/completions"]
+
+
+def test_an_endpoint_without_a_key_cannot_be_made(coordinator: ReferenceCoordinator) -> None:
+    with pytest.raises(ValueError, match="key"):
+        OpenAIEndpoint(coordinator, key="")
