@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+SHOWN_LIMIT = 80  # characters of a frame's key or value quoted back in a `bad_message` reason
 
 EngineName = str  # a registered engine's name (`worker.engines.registry`); checked where it enters, in `ModelSpec`
 Runtime = Literal["native", "wsl2", "apple-silicon", "windows", "cpu"]
@@ -144,7 +145,7 @@ class EngineModel(_Message):
     def _thresholds_are_mib(cls, tiers: dict[str, list[str]]) -> dict[str, list[str]]:
         for key in tiers:
             if not TIER_KEY.fullmatch(key):
-                raise ValueError(f"tier threshold {key!r} is not a whole number of MiB")
+                raise ValueError(f"tier threshold {_cut(repr(key))} is not a whole number of MiB")
         return tiers
 
     @field_validator("sha256")
@@ -422,11 +423,17 @@ def _parse(frame: str | bytes, adapter: TypeAdapter[_Parsed], known: frozenset[s
         raise BadMessage(_summarise(exc, data["type"]), _ref(data), data["type"]) from None
 
 
+def _cut(text: str, limit: int = SHOWN_LIMIT) -> str:
+    """`text`, or its start and "…" where longer: a frame's keys and values may be megabytes, and a
+    reason is logged and repeated in every `status`."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _summarise(exc: Exception, message_type: str) -> str:
     if isinstance(exc, ValidationError):
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'][1:]) or '(message)'}: {err['msg']}"
-            for err in exc.errors()[:5]
+            f"{'.'.join(_cut(str(p)) for p in err['loc'][1:]) or '(message)'}: {_cut(err['msg'], 2 * SHOWN_LIMIT)}"
+            for err in exc.errors(include_url=False, include_input=False)[:5]
         )
         return f"invalid {message_type!r} message: {problems}"
     return f"invalid {message_type!r} message: nested too deeply"

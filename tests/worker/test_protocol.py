@@ -122,6 +122,17 @@ def test_a_deeply_nested_assign_frame_is_a_bad_message_never_a_crash(depth: int)
         assert "not valid JSON" in str(raised.value)
 
 
+@pytest.mark.parametrize("tiers", [{"x" * 1_000_000: []}, {"y" * 1_000_000: [5]}])
+def test_a_bad_messages_reason_quotes_a_huge_key_short(tiers: dict[str, list[object]]) -> None:
+    """The reason is logged and, for an `assign`, repeated in every `status` as the refusal."""
+    frame = json.dumps({"type": "assign", "assignment_id": "a-9", "model": {"name": "m", "vllm": {
+        **ENGINE_MODEL, "tiers": tiers}}})
+    with pytest.raises(protocol.BadMessage) as raised:
+        protocol.parse_from_coordinator(frame)
+    assert str(raised.value).startswith("invalid 'assign' message: model.vllm.tiers")
+    assert "…" in str(raised.value) and len(str(raised.value)) < 300
+
+
 @pytest.mark.parametrize("frame, fragment", [
     ("not json", "not valid JSON"),
     ("[1, 2]", "one JSON object"),
