@@ -115,7 +115,7 @@ def checked_addresses(hosts: HostPolicy, scheme: str, raw_host: bytes, port: int
 
 
 class _GuardedTransport(httpx.AsyncBaseTransport):
-    """Every request (each redirect hop is one) checked, then sent to the address that was checked."""
+    """Every request (each redirect hop is one) checked, then sent to an address that was checked."""
 
     def __init__(self, hosts: HostPolicy, inner: httpx.AsyncBaseTransport) -> None:
         self._hosts = hosts
