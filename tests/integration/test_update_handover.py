@@ -44,13 +44,16 @@ _release = Version(__version__).release + (0, 0)
 NEW = f"{_release[0]}.{_release[1]}.{_release[2] + 1}"
 
 BUILD = '''#!{python}
-"""GPU Provider {version}, started as a release build starts: the real app, the test's release key."""
+"""GPU Provider {version}, started as a release build starts: the real app, the test's release key
+and the test's name for its file server."""
 import sys
 sys.path.insert(0, {repo!r})
 import worker
 worker.__version__ = {version!r}
 import worker.update.verify
 worker.update.verify.RELEASE_PUBLIC_KEY_B64 = {key!r}
+import ipaddress, worker.download_hosts  # the test's file server stands for a public host
+worker.download_hosts.PublicHosts.addresses_for = lambda self, host, port: [ipaddress.IPv4Address("127.0.0.1")]
 {body}
 '''
 APP = "from app.main import main\nsys.exit(main(sys.argv[1:]))"
