@@ -330,7 +330,8 @@ class Allowlist:
             return f"argument not allowed: {shown(token)}", "it contains a newline or control character"
         if not token.startswith("-"):
             return f"argument not allowed: {shown(token)}", "a value with no flag before it"
-        return f"argument not allowed: {spelling}", self._why_unknown(spelling)
+        named = spelling if len(spelling) <= SHOWN_LIMIT else spelling[: SHOWN_LIMIT - 1] + "…"
+        return f"argument not allowed: {named}", self._why_unknown(spelling)
 
     def _why_unknown(self, spelling: str) -> str:
         dashed = spelling[:2] + spelling[2:].replace("_", "-")

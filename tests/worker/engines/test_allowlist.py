@@ -200,6 +200,13 @@ def test_a_refused_json_value_is_quoted_short() -> None:
     assert reason.startswith("value not allowed for --config: JSON key 'n': [12345, ") and len(reason) < 200
 
 
+@pytest.mark.parametrize("flag", ["--" + "x" * 60_000, "-" + "y" * 5_000 + "=1", "--a." + "b" * 5_000])
+def test_a_long_unknown_flag_is_named_short(flag: str) -> None:
+    """The reason is repeated in every `status`: an unknown flag is cut like a value."""
+    reason = refused([flag])
+    assert reason.startswith(f"argument not allowed: {flag[:79]}…: ") and len(reason) < 300
+
+
 def test_duplicate_keys_are_found_in_one_pass() -> None:
     """A 64 KiB object of distinct keys, one given twice at the end, is refused at once (the old
     check counted every key against every other: quadratic)."""
