@@ -33,6 +33,7 @@ from worker.link import Backoff
 from worker.localnet import Collected, ReferenceCoordinator
 from worker.node import Node
 from worker.relay import EngineTarget
+from worker.provision.models import UNUSABLE_PATH
 
 pytestmark = pytest.mark.integration
 
@@ -522,7 +523,8 @@ async def test_a_missing_model_fails_with_the_reason_and_a_resume_retries(tmp_pa
     model = tmp_path / "not-yet-downloaded"
     async with running_node(tmp_path, vllm(vllm_standin), assign=vllm_assign(model)) as run:
         failed = await run.status("failed")
-        assert failed.last_error is not None and str(model) in failed.last_error and failed.engines == []
+        assert failed.last_error is not None and failed.engines == []
+        assert UNUSABLE_PATH in failed.last_error and str(model) not in failed.last_error  # the path is not told
         assert run.engine_pids == set()
         model_folder(tmp_path).rename(model)
         mark = run.mark()
