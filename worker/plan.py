@@ -64,6 +64,7 @@ DEFAULT_FIRST_PORT = 18100
 MAX_ARGS = 256  # in `base_args` and in each tier (contract, Assignment rule 4)
 MAX_TIERS = 32
 MAX_ARG_BYTES = MAX_JSON_BYTES  # the longest value any type takes is a JSON object
+MAX_NAME_BYTES = 256  # the model's name is the engine's served name: argv, /v1/models, every status
 
 Fallback = tuple[str | None, tuple[str, ...]]
 
@@ -255,6 +256,8 @@ def choose_engine(machine: Machine, model: protocol.ModelSpec) -> tuple[EngineAd
 def size_problem(model: protocol.ModelSpec) -> str | None:
     """Why an engine block is over the contract's sizes (Assignment rule 4), or None; checked
     before anything else, so that no later check has more than these to read."""
+    if (size := utf8_length(model.name)) > MAX_NAME_BYTES:
+        return f"assignment too large: the model name is {size:,} bytes long (at most {MAX_NAME_BYTES})"
     for engine, block in model.engines.items():
         if len(block.tiers) > MAX_TIERS:
             return f"assignment too large: {engine} has {len(block.tiers):,} tiers (at most {MAX_TIERS})"

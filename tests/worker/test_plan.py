@@ -525,3 +525,14 @@ def test_a_failure_inside_planning_is_a_refusal_that_names_it(monkeypatch, caplo
     result = plan(replay("rtx4090.json"), assign(6000), Settings())
     assert result == Refusal("this app could not plan the assignment (RecursionError); nothing was started")
     assert "planning assignment 'a-17' failed" in caplog.text and "maximum recursion depth" in caplog.text
+
+
+def test_a_model_name_past_256_bytes_is_refused_before_it_reaches_an_engine_command_line():
+    """The name is the engine's served name (argv, /v1/models) and is repeated in every status."""
+    def named(name: str) -> protocol.Assign:
+        base = assign(6000)
+        return base.model_copy(update={"model": base.model.model_copy(update={"name": name})})
+
+    result = plan(replay("rtx4090.json"), named("é" * 129), Settings())  # 258 bytes
+    assert result == Refusal("assignment too large: the model name is 258 bytes long (at most 256)")
+    assert not isinstance(plan(replay("rtx4090.json"), named("m" * 256), Settings()), Refusal)
