@@ -75,7 +75,7 @@ class Dashboard(QMainWindow):
         self.hide_on_close = hide_on_close
         self._read_local_endpoint = local_endpoint
         self._local_endpoint: LocalEndpoint | None = None
-        self._local_endpoint_kept = False  # read once the node connected to it: this run's, kept
+        self._local_endpoint_kept = False  # the node is connected to the coordinator it names: this run's
         self.values = Values()
         self.setWindowTitle("GPU Provider")
         self.resize(1120, 900)
@@ -298,19 +298,21 @@ class Dashboard(QMainWindow):
         if c.retry_in_s is not None:
             detail = (detail + " " if detail else "") + f"Retrying in {c.retry_in_s:.0f} s."
         self.values.set("connection.detail", detail)
-        self._show_local_endpoint(c.coordinator_url == "local", c.state == "connected")
+        self._show_local_endpoint(c.coordinator_url, c.state == "connected")
         self.values.set("node", f"Node {snapshot.node_id}")
 
-    def _show_local_endpoint(self, local: bool, connected: bool) -> None:
+    def _show_local_endpoint(self, coordinator_url: str, connected: bool) -> None:
         """Where programs on this computer reach the node in local mode, and the key they send.
-        Read from the node's file until the node has connected (before, it may be the last run's)."""
-        if local and not self._local_endpoint_kept:
-            self._local_endpoint = self._read_local_endpoint()
-            self._local_endpoint_kept = connected and self._local_endpoint is not None
-        endpoint = self._local_endpoint if local else None
-        self.values.labels["local_api"].setVisible(endpoint is not None)
-        self.copy_key_button.setVisible(endpoint is not None)
-        if endpoint is not None:
+        Read from the node's file until the node is connected to the coordinator it names (before,
+        it may be the last run's), then kept."""
+        endpoint = self._local_endpoint
+        if not (self._local_endpoint_kept and endpoint is not None and endpoint.serves(coordinator_url)):
+            endpoint = self._local_endpoint = self._read_local_endpoint()
+        shown = endpoint is not None and endpoint.serves(coordinator_url)
+        self._local_endpoint_kept = connected and shown
+        self.values.labels["local_api"].setVisible(shown)
+        self.copy_key_button.setVisible(shown)
+        if endpoint is not None and shown:
             self.values.set("local_api", f"Programs on this computer can use {endpoint.url} "
                                          f"with the key {endpoint.key}")
 

@@ -376,10 +376,17 @@ def save_state(paths: Paths, state: State) -> None:
 
 @dataclass(frozen=True)
 class LocalEndpoint:
-    """What a program on this computer needs to use local mode's endpoint: its address and key."""
+    """What a program on this computer needs to use local mode's endpoint: its address and key;
+    and the local coordinator's address, which the node's connection names while it runs."""
 
     url: str
     key: str
+    coordinator_url: str = ""
+
+    def serves(self, coordinator_url: str) -> bool:
+        """The node connected to `coordinator_url` runs in local mode, with this endpoint."""
+        return coordinator_url == DEFAULT_COORDINATOR or (bool(self.coordinator_url)
+                                                          and coordinator_url == self.coordinator_url)
 
 
 def local_endpoint_key(paths: Paths) -> str:
@@ -396,14 +403,14 @@ def save_local_endpoint(paths: Paths, endpoint: LocalEndpoint) -> None:
 
 
 def read_local_endpoint(paths: Paths) -> LocalEndpoint | None:
-    """The endpoint's address and key as the node last wrote them; None when there are none."""
+    """The endpoint as the node last wrote it; None when there is none."""
     try:
         data = json.loads(read_private_text(paths.local_endpoint_file))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict):
         return None
-    url, key = data.get("url"), data.get("key")
-    if not isinstance(url, str) or not isinstance(key, str) or len(key) < 32:
+    url, key, coordinator = data.get("url"), data.get("key"), data.get("coordinator_url", "")
+    if not isinstance(url, str) or not isinstance(key, str) or len(key) < 32 or not isinstance(coordinator, str):
         return None
-    return LocalEndpoint(url, key)
+    return LocalEndpoint(url, key, coordinator)

@@ -72,16 +72,17 @@ def read_status(paths: Paths) -> dict[str, Any] | None:
     pid = data.get("pid")
     if not isinstance(pid, int) or not psutil.pid_exists(pid):
         return None
-    endpoint = read_local_endpoint(paths) if _local_mode(data) else None
-    if endpoint is not None:
+    endpoint = read_local_endpoint(paths)
+    if endpoint is not None and endpoint.serves(_coordinator_url(data)):
         data["local_endpoint"] = {"url": endpoint.url, "key": endpoint.key}
     return data
 
 
-def _local_mode(data: dict[str, Any]) -> bool:
+def _coordinator_url(data: dict[str, Any]) -> str:
     snapshot = data.get("snapshot")
     connection = snapshot.get("connection") if isinstance(snapshot, dict) else None
-    return isinstance(connection, dict) and connection.get("coordinator_url") == "local"
+    url = connection.get("coordinator_url") if isinstance(connection, dict) else None
+    return url if isinstance(url, str) else ""
 
 
 def _num(value: Any, unit: str = "", digits: int = 1) -> str:

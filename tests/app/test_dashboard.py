@@ -444,7 +444,8 @@ def test_narrow_windows_stack_the_cards_in_one_column(dashboard, node, bridge, q
 
 
 def test_local_mode_shows_the_endpoint_and_its_key_with_a_copy_button(bridge, node, qtbot, qapp):
-    endpoint = LocalEndpoint("http://127.0.0.1:8090/v1", "gpk-" + "k" * 43)
+    coordinator = "ws://127.0.0.1:5555/v1/provider"  # what the connection names once the node is connected
+    endpoint = LocalEndpoint("http://127.0.0.1:8090/v1", "gpk-" + "k" * 43, coordinator)
     reads = []
 
     def read() -> LocalEndpoint:
@@ -453,13 +454,15 @@ def test_local_mode_shows_the_endpoint_and_its_key_with_a_copy_button(bridge, no
 
     window = Dashboard(bridge, local_endpoint=read)
     qtbot.addWidget(window)
-    show(node, qtbot, bridge, replace(snapshots.idle(), connection=ConnectionSnapshot("local", "connected")))
+    show(node, qtbot, bridge, replace(snapshots.idle(), connection=ConnectionSnapshot("local", "connecting")))
     assert f"Programs on this computer can use {endpoint.url} with the key {endpoint.key}" in on_screen(window)
-    assert "Copy key" in on_screen(window)
+    show(node, qtbot, bridge, replace(snapshots.idle(), connection=ConnectionSnapshot(coordinator, "connected")))
+    assert f"with the key {endpoint.key}" in on_screen(window) and "Copy key" in on_screen(window)
     qtbot.mouseClick(window.copy_key_button, Qt.MouseButton.LeftButton)
     assert qapp.clipboard().text() == endpoint.key
-    show(node, qtbot, bridge, replace(snapshots.serving(), connection=ConnectionSnapshot("local", "connected")))
-    assert len(reads) == 1  # read once the node connected, then kept
+    read_while_connecting = len(reads)
+    show(node, qtbot, bridge, replace(snapshots.serving(), connection=ConnectionSnapshot(coordinator, "connected")))
+    assert len(reads) == read_while_connecting  # this run's once connected: kept, not read again
     show(node, qtbot, bridge, snapshots.serving())  # a network's coordinator: no local endpoint
     assert endpoint.key not in on_screen(window) and "Copy key" not in on_screen(window)
 

@@ -74,14 +74,16 @@ def test_the_table_shows_what_the_file_says(tmp_path: Path) -> None:
 def test_in_local_mode_status_shows_the_endpoint_and_its_key(tmp_path: Path) -> None:
     paths = Paths.under(tmp_path).ensure()
     key = local_endpoint_key(paths)
-    save_local_endpoint(paths, LocalEndpoint("http://127.0.0.1:8090/v1", key))
-    StatusFile(paths, lambda: True).write(SNAP)
-    data = read_status(paths)
-    assert data is not None and data["local_endpoint"] == {"url": "http://127.0.0.1:8090/v1", "key": key}
-    table = status_table(data)
-    assert "local API   http://127.0.0.1:8090/v1" in table and f"API key     {key}" in table
+    coordinator = "ws://127.0.0.1:5555/v1/provider"
+    save_local_endpoint(paths, LocalEndpoint("http://127.0.0.1:8090/v1", key, coordinator))
+    for connection in (ConnectionSnapshot("local", "disabled"), ConnectionSnapshot(coordinator, "connected")):
+        StatusFile(paths, lambda: True).write(dataclasses.replace(SNAP, connection=connection))
+        data = read_status(paths)
+        assert data is not None and data["local_endpoint"] == {"url": "http://127.0.0.1:8090/v1", "key": key}
+        table = status_table(data)
+        assert "local API   http://127.0.0.1:8090/v1" in table and f"API key     {key}" in table
     networked = dataclasses.replace(SNAP, connection=ConnectionSnapshot("wss://example.net/v1/node", "connected"))
-    StatusFile(paths, lambda: True).write(networked)
+    StatusFile(paths, lambda: True).write(networked)  # the endpoint file is a past run's
     data = read_status(paths)
     assert data is not None and "local_endpoint" not in data and key not in status_table(data)
 

@@ -68,7 +68,8 @@ class LocalCoordinator:
         try:
             self._endpoint = await self._start_endpoint(coordinator, self._key)
             if self._paths is not None:
-                await asyncio.to_thread(save_local_endpoint, self._paths, LocalEndpoint(self._endpoint.url, self._key))
+                endpoint = LocalEndpoint(self._endpoint.url, self._key, coordinator.url)
+                await asyncio.to_thread(save_local_endpoint, self._paths, endpoint)
         except BaseException:
             if self._endpoint is not None:
                 await self._endpoint.stop()

@@ -115,7 +115,8 @@ async def test_the_key_is_the_data_folders_kept_private_across_runs_and_checked(
         shown = read_local_endpoint(paths)
         assert shown is not None and shown.url == local.openai_url and shown.key == local.api_key == first.api_key
         assert len(shown.key) >= 32 and stat.S_IMODE(paths.local_endpoint_file.stat().st_mode) == 0o600
-        assert json.loads(paths.local_endpoint_file.read_text()) == {"url": local.openai_url, "key": local.api_key}
+        assert json.loads(paths.local_endpoint_file.read_text()) == {
+            "url": local.openai_url, "key": local.api_key, "coordinator_url": local.ws_url}
         node = MiniNode(local.ws_url, engine, http)
         task = asyncio.create_task(node.link.run())
         await local.coordinator.wait_for_connections(1)
