@@ -2,7 +2,8 @@
 
 It reads vLLM's CLI, prints vLLM's startup lines, then serves on the Unix socket (`--uds`) or the
 host and port given until SIGTERM or SIGINT (or misbehaves as the STANDIN_* variables ask; see behaviour.py). Like vLLM it
-runs an engine-core child process, which exits when the API server goes away.
+runs an engine-core child process, which the API server stops when it exits (and which outlives
+an API server killed with SIGKILL, as vLLM's does).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tests.standin.args import CliError, parse_serve
+from tests.standin.args import CliError, ServeArgs, parse_serve
 from tests.standin.behaviour import Behaviour
 from tests.standin.server import StandinServer
 from tests.standin.startup import Line, effective_max_model_len, startup, uvicorn_ready
@@ -30,14 +31,24 @@ def _print(lines: Sequence[Line]) -> None:
         print(text, file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
 
 
-def _engine_core() -> None:
-    """Fork a child that lives while the API server does, as vLLM's EngineCore process does."""
-    parent = os.getpid()
-    if os.fork() == 0:
+def _engine_core() -> int:
+    """Fork vLLM's EngineCore process (its log lines carry its pid) and return that pid. Like the real
+    one it runs until signalled: the API server stops it when it exits, but an API server killed
+    with SIGKILL leaves it running, re-parented to init (tests/fixtures/vllm/cpu-0.32-processes.json).
+    It ignores SIGINT (a terminal's Ctrl-C reaches the API server) and dies of SIGTERM."""
+    core = os.fork()
+    if core == 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        while os.getppid() == parent:
-            time.sleep(0.1)
-        os._exit(0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        while True:
+            signal.pause()
+    return core
+
+
+def _stop_engine_core(core: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(core, signal.SIGTERM)
+        os.waitpid(core, 0)
 
 
 def _bind_uds(path: str) -> socket.socket:
@@ -87,9 +98,16 @@ def main(argv: Sequence[str]) -> int:
     if behaviour.ignore_sigterm:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-    if behaviour.engine_core:
-        _engine_core()
-    outcome = startup(args, behaviour)
+    core = _engine_core() if behaviour.engine_core else None
+    try:
+        return _run(args, behaviour, uds, core)
+    finally:
+        if core is not None:
+            _stop_engine_core(core)
+
+
+def _run(args: ServeArgs, behaviour: Behaviour, uds: socket.socket | None, core: int | None) -> int:
+    outcome = startup(args, behaviour, core)
     if behaviour.start_delay_s:
         _print(outcome.lines[:3])
         time.sleep(behaviour.start_delay_s)

@@ -30,9 +30,12 @@ class Outcome:
     exit_status: int | None  # None: the server starts
 
 
-def _prefix(process: str, level: str, where: str) -> str:
+_core_pid: int | None = None  # the engine-core child's, whose lines carry it (as vLLM's do); else ours
+
+
+def _prefix(process: str, level: str, where: str, pid: int | None = None) -> str:
     stamp = time.strftime("%m-%d %H:%M:%S")
-    return f"({process} pid={os.getpid()}) {level} {stamp} [{where}] "
+    return f"({process} pid={pid or os.getpid()}) {level} {stamp} [{where}] "
 
 
 def _api(where: str, message: str, level: str = "INFO") -> Line:
@@ -40,7 +43,7 @@ def _api(where: str, message: str, level: str = "INFO") -> Line:
 
 
 def _core(where: str, message: str, level: str = "INFO", *, old: bool = False) -> Line:
-    return "stdout", _prefix("EngineCore_DP0" if old else "EngineCore", level, where) + message
+    return "stdout", _prefix("EngineCore_DP0" if old else "EngineCore", level, where, _core_pid) + message
 
 
 def effective_max_model_len(args: ServeArgs, behaviour: Behaviour) -> int:
@@ -179,9 +182,12 @@ def _finish(args: ServeArgs, old: bool) -> list[Line]:
     ]
 
 
-def startup(args: ServeArgs, behaviour: Behaviour) -> Outcome:
+def startup(args: ServeArgs, behaviour: Behaviour, core_pid: int | None = None) -> Outcome:
     """The lines up to the point where the server listens, or up to the failure that ends the start:
-    vLLM checks each card's free memory before loading, and the KV cache after."""
+    vLLM checks each card's free memory before loading, and the KV cache after. The engine core's
+    lines carry `core_pid` (its process) where there is one."""
+    global _core_pid
+    _core_pid = core_pid
     old = behaviour.version == "0.11"
     max_len = effective_max_model_len(args, behaviour)
     lines = _opening(args, behaviour, max_len)

