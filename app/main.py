@@ -39,7 +39,7 @@ from app.settings import SettingsDialog
 from app.signin import SignInDialog
 from app.tray import Tray
 from worker import applog, autostart, networks, secrets
-from worker.config import Paths, Settings, load_settings
+from worker.config import DataFolderUnsafe, Paths, Settings, load_settings, read_local_endpoint
 from worker.datalock import DataFolderLock, Owner, in_use_message
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ class DesktopApp(QObject):
         self._coordinator = coordinator  # what `--coordinator` said, until the person picks a network
         self.first_run: FirstRunFlow | None = None
         self.sign_in: SignInDialog | None = None
-        self.dashboard = Dashboard(self.bridge, hide_on_close=tray_available)
+        self.dashboard = Dashboard(self.bridge, hide_on_close=tray_available,
+                                   local_endpoint=lambda: read_local_endpoint(paths))
         self.dashboard.setWindowIcon(state_icon("serving"))
         self.dashboard.settings_requested.connect(self.open_settings)
         self.dashboard.logs_requested.connect(self.open_logs)
@@ -315,9 +316,13 @@ def defer_to_owner(paths: Paths, owner: Owner, quit_after: float | None = None) 
         if ask_running_instance_to_show(instance_name(paths, owner.pid)):
             log.info("GPU Provider is already running; brought its window forward")
             return 0
-    message = in_use_message(owner)
+    return tell_and_end(in_use_message(owner), QMessageBox.Icon.Information, quit_after)
+
+
+def tell_and_end(message: str, icon: QMessageBox.Icon, quit_after: float | None = None) -> int:
+    """Say why the app cannot start, on the terminal and in a box the person closes (1)."""
     print(f"gpu-provider: {message}", file=sys.stderr)
-    box = QMessageBox(QMessageBox.Icon.Information, "GPU Provider", message)
+    box = QMessageBox(icon, "GPU Provider", message)
     if quit_after is not None:
         QTimer.singleShot(int(quit_after * 1000), box.reject)
     box.exec()
@@ -326,17 +331,20 @@ def defer_to_owner(paths: Paths, owner: Owner, quit_after: float | None = None) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    paths = Paths.resolve(args.data_dir).ensure()
     existing = QApplication.instance()
     qapp = existing if isinstance(existing, QApplication) else QApplication(["gpu-provider"])
     qapp.setApplicationName("GPU Provider")
     theme.install(qapp)
-    owner = DataFolderLock(paths).owner()
-    if owner is not None:
-        return defer_to_owner(paths, owner, args.quit_after)
+    try:
+        paths = Paths.resolve(args.data_dir).ensure()
+        owner = DataFolderLock(paths).owner()
+        if owner is not None:
+            return defer_to_owner(paths, owner, args.quit_after)
+        applog.configure(paths, console=False, verbose=args.verbose)
+    except DataFolderUnsafe as exc:  # someone else's folder, or a planted link: nothing written through it
+        return tell_and_end(str(exc), QMessageBox.Icon.Critical, args.quit_after)
     from worker.node import Node  # loaded once this is known to be the only instance
 
-    applog.configure(paths, console=False, verbose=args.verbose)
     settings = load_settings(paths)
     node = Node(
         paths,

@@ -106,7 +106,9 @@ class DataFolderLock:
         return None
 
     def _check_lock_file(self) -> None:
-        """The lock file is a plain file of this user's (made 0600 if missing), not a link."""
+        """The lock file is a plain file of this user's (made 0600 if missing, its folder 0700, as
+        filelock would make them), not a link."""
+        self._lock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.close(private_opener(str(self._lock_path), os.O_RDWR | os.O_CREAT))
 
     def _write_owner(self, state: OwnerState) -> None:

@@ -99,12 +99,13 @@ class Uplink:
         from worker.localnet import LocalCoordinator, LocalModelError
 
         token = secrets.token_urlsafe(24)
-        local = LocalCoordinator(token=token, machine=machine, model=self._local_model, openai_port=self._openai_port)
+        local = LocalCoordinator(token=token, machine=machine, model=self._local_model, openai_port=self._openai_port,
+                                 paths=self._paths)
         try:
             self._local = await local.start()
         except LocalModelError as exc:
             log.error("%s", exc)
-            return None, lambda: None, Problem("The local model cannot be used", str(exc), "settings")
+            return None, lambda: None, Problem(exc.title, str(exc), "settings")
         log.info("local coordinator on %s; OpenAI endpoint on %s", self._local.ws_url, self._local.openai_url)
         return self._local.ws_url, lambda: token, None
 

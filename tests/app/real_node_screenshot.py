@@ -25,7 +25,7 @@ from app.core_thread import CoreThread
 from app.main import DesktopApp
 from tests.support.engines import ensure_llama_server, free_port
 from tests.support.tiny_gguf import write_tiny_gguf
-from worker.config import Paths, Settings
+from worker.config import Paths, Settings, read_local_endpoint
 from worker.node import Node
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
@@ -71,7 +71,10 @@ def _load(node: Node, port: int) -> None:
         time.sleep(0.5)
     body = {"model": "local", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True}
     while time.monotonic() - started < GRAB_AFTER_S:
-        httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+        endpoint = read_local_endpoint(node.paths)
+        key = endpoint.key if endpoint is not None else ""
+        httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30,
+                   headers={"Authorization": f"Bearer {key}"})
         time.sleep(0.3)
 
 

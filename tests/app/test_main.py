@@ -236,6 +236,20 @@ def test_a_relaunch_beside_a_headless_owner_says_who_owns_the_folder(qapp, tmp_p
             "or use --data-dir for a second node") in capsys.readouterr().err
 
 
+def test_a_data_folder_others_can_write_is_refused_in_words_and_no_core_starts(qapp, tmp_path, monkeypatch, capsys):
+    """A world-writable data folder (anyone could plant links in it) ends the app with the reason
+    shown, never a traceback; no core is built."""
+    monkeypatch.setattr("worker.node.Node", NoSecondCore)
+    Paths.resolve(tmp_path).ensure()
+    tmp_path.chmod(0o777)
+    try:
+        assert main(["--data-dir", str(tmp_path), "--quit-after", "0.2"]) == 1
+    finally:
+        tmp_path.chmod(0o700)
+    err = capsys.readouterr().err
+    assert err.startswith("gpu-provider: ") and "Traceback" not in err and str(tmp_path) in err
+
+
 def test_a_relaunch_brings_a_running_desktop_owner_forward(qtbot, tmp_path, node, monkeypatch):
     monkeypatch.setattr("worker.node.Node", NoSecondCore)
     paths = Paths.under(tmp_path).ensure()

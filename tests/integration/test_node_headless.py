@@ -60,7 +60,10 @@ def test_headless_agent_serves_reports_status_and_stops_on_sigterm(tmp_path: Pat
         assert table.returncode == 0 and "state       ready" in table.stdout and "fake-model" in table.stdout
         assert "445,888 tokens" in table.stdout  # the KV budget the stand-in printed
 
+        assert found["local_endpoint"]["url"] == f"http://127.0.0.1:{port}/v1"
+        assert f"API key     {found['local_endpoint']['key']}" in table.stdout
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", trust_env=False, timeout=STATE_TIMEOUT_S,
+                           headers={"Authorization": f"Bearer {found['local_endpoint']['key']}"},
                            json={"model": "fake-model", "max_tokens": 4,
                                  "messages": [{"role": "user", "content": "hello there"}]})
         assert reply.status_code == 200, reply.text
