@@ -29,6 +29,7 @@ from typing import Protocol
 
 import httpx
 
+from worker.config import private_opener
 from worker.download_hosts import HostRefused, url_refusal
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,7 @@ async def _write_body(
     """
     done = offset
     pending = bytearray()
-    with part.open("ab" if offset else "wb") as out:
+    with open(part, "ab" if offset else "wb", opener=private_opener) as out:  # never through a planted link
         try:
             async for chunk in response.aiter_raw():
                 if max_bytes is not None and done + len(chunk) > max_bytes:

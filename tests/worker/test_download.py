@@ -24,6 +24,7 @@ from worker.download import (
     check_sha256,
     sha256_of,
 )
+from worker.config import DataFolderUnsafe
 from worker.download_hosts import download_client
 
 BODY = os.urandom(700_000)
@@ -148,6 +149,25 @@ async def test_part_left_by_an_earlier_run_is_resumed(
 
     assert ranges(server, "m.gguf") == ["bytes=123456-"]
     assert dest.read_bytes() == BODY
+
+
+async def test_a_link_planted_at_the_part_is_never_written_through(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """A `.part` that is a link (planted in the cache before start) must not truncate, append to
+    or chmod what it points at: the download fails and the target keeps its bytes and mode."""
+    server.add("m.gguf", BODY)
+    target = tmp_path / "elsewhere.txt"
+    target.write_bytes(b"someone else's file")
+    target.chmod(0o644)
+    dest = tmp_path / "m.gguf"
+    dest.with_name("m.gguf.part").symlink_to(target)
+
+    with pytest.raises(DataFolderUnsafe):
+        await fetch(client, server.url("m.gguf"), dest)
+
+    assert target.read_bytes() == b"someone else's file" and target.stat().st_mode & 0o777 == 0o644
+    assert not dest.exists()
 
 
 async def test_server_ignoring_range_starts_over(server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path) -> None:
