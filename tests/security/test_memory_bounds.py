@@ -186,7 +186,7 @@ async def test_the_real_node_refuses_an_oversized_kv_before_llama_server_starts(
 ) -> None:
     """The whole node, the real llama-server, a CPU machine whose free RAM (1.5 GiB) cannot spare
     2 GiB: the assignment is `failed` with the reason and no engine ever started; a fitting one then
-    serves."""
+    serves, and the same oversized assignment sent as its replacement is refused, leaving it serving."""
     free_ram["mib"] = 1536
     bins = {"llamacpp": str(llama_server_bin.executable)}
     async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=assign(tiny_gguf, BIG_KV)) as run:
@@ -204,3 +204,13 @@ async def test_the_real_node_refuses_an_oversized_kv_before_llama_server_starts(
         assert ready.state == "ready" and ready.assignment_id == "mem-2", ready.last_error
         argv = ready.engines[0].argv
         assert argv[argv.index("-c") + 1] == "1024" and ready.engines[0].kv_cache_tokens == 1024
+
+        [serving] = run.node.snapshot().engines  # an oversized replacement leaves it serving, untouched
+        mark = run.mark()
+        await run.coordinator.send(assign(tiny_gguf, BIG_KV, assignment_id="mem-3"))
+        refused = await run.coordinator.wait_for(
+            lambda m: isinstance(m, protocol.Status) and m.refused is not None, after=mark, timeout=STATE_TIMEOUT_S)
+        assert refused.refused is not None and refused.refused.assignment_id == "mem-3"
+        assert refused.refused.reason.startswith("not enough memory (with base_args)")
+        assert refused.state == "ready" and refused.assignment_id == "mem-2"
+        assert run.node.snapshot().engines[0].pid == serving.pid and len(run.engine_pids) == 1
