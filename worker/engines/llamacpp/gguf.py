@@ -170,6 +170,8 @@ class _Reader:
         rest = self._buffer[self._at :]
         self._start += self._at
         self._buffer, self._at = rest + self._file.read(max(CHUNK, count - len(rest))), 0
+        if len(self._buffer) < count:  # the file shrank while it was read
+            raise GgufError("the model file ends inside its header")
 
     def _bound(self, count: int) -> None:
         """Refuses a step past the end of the file or past `MAX_HEADER_BYTES`."""

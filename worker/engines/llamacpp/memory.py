@@ -169,8 +169,12 @@ def read_shape(model_path: str) -> ModelShape:
     key_length = _whole(get("attention.key_length"), "attention.key_length") or default_length
     value_length = _whole(get("attention.value_length"), "attention.value_length") or default_length
     splits = max(1, _whole(values.get("split.count"), "split.count", high=MAX_SPLITS))
+    try:
+        size = os.stat(model_path).st_size
+    except OSError as exc:
+        raise GgufError(f"the model file cannot be read ({exc.strerror or type(exc).__name__})") from None
     return ModelShape(layers, _whole(get("context_length"), "context_length"), kv_heads, key_length, value_length,
-                      os.stat(model_path).st_size * splits)
+                      size * splits)
 
 
 def start_problem(model_path: str, runs: Sequence[Run], room: Room) -> str | None:

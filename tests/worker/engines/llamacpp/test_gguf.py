@@ -153,3 +153,12 @@ def test_a_large_vocabulary_header_reads_in_linear_time(tmp_path: Path) -> None:
     values = read_header(file(tmp_path, data), lambda key: key.startswith("llama.")).values
     assert values == {"llama.block_count": 7}
     assert time.perf_counter() - started < 5.0
+
+
+def test_a_file_that_shrinks_while_it_is_read_is_refused(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with open(path, "rb") as opened:
+        cursor = reader._Reader(opened)  # sized as it was when opened
+        os.truncate(path, 40)
+        with pytest.raises(GgufError, match="ends inside its header"):
+            cursor.header(EVERYTHING)
