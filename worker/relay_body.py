@@ -55,7 +55,8 @@ MAX_TOOLS = 128  # OpenAI's own limit; each tool's parameters are a constraint o
 _CONSTRAINT_KEYS = ("grammar", "json_schema", "response_format", "grammar_triggers", "structured_outputs",
                     "guided_json", "guided_regex", "guided_grammar", "guided_choice", "guided_whitespace_pattern")
 _CHOICE_KEYS = ("n", "n_cmpl", "best_of")  # answers generated for one request
-_LOGPROB_KEYS = ("n_probs", "top_logprobs", "logprobs")  # completions' `logprobs` is a count; chat's a bool
+# completions' `logprobs` is a count, chat's a bool; vLLM's `prompt_logprobs` a count for each prompt token
+_LOGPROB_KEYS = ("n_probs", "top_logprobs", "logprobs", "prompt_logprobs")
 _LENGTH_KEYS = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
 _ESCAPED = re.compile(rb"\\.", re.DOTALL)
 _ONE_KIND = bytes.maketrans(b"[{]}", b"(())")

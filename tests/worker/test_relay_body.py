@@ -125,6 +125,7 @@ def test_ordinary_constraints_pass() -> None:
     ({"n_probs": 21}, "21 log-probabilities"),
     ({"logprobs": True, "top_logprobs": 21}, "21 log-probabilities"),
     ({"logprobs": 21}, "21 log-probabilities"),  # the completions API's count
+    ({"prompt_logprobs": 21}, "21 log-probabilities"),  # vLLM's, for each prompt token
 ])
 def test_too_many_answers_or_log_probabilities_are_refused(body: dict[str, Any], words: str) -> None:
     problem = unbounded({"prompt": "hi", **body})
