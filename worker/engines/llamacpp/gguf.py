@@ -47,7 +47,8 @@ class GgufError(ValueError):
 
 @dataclass(frozen=True)
 class Header:
-    """The kept key-value pairs (integers, floats, strings, and arrays of integers)."""
+    """The kept key-value pairs: numbers, strings, and lists of at most `MAX_KEPT_ARRAY` whole
+    numbers (any other array is skipped as if it were not kept)."""
 
     version: int
     values: dict[str, Value]
@@ -91,22 +92,24 @@ class _Reader:
         for _ in range(pairs):
             key = self._string(MAX_KEY_BYTES, "a metadata key")
             kind = self._uint(4)
-            if keep(key):
-                values[key] = self._value(kind, key)
-            else:
+            if not keep(key):
                 self._skip_value(kind)
+            elif (value := self._value(kind, key)) is not None:
+                values[key] = value
         return Header(version, values)
 
-    def _value(self, kind: int, key: str) -> Value:
+    def _value(self, kind: int, key: str) -> Value | None:
+        """A kept key's value; None (skipped) for an array that is not a short list of whole numbers."""
         if kind in _SCALARS:
             return self._scalar(kind)
         if kind == _STRING:
             return self._string(MAX_STRING_BYTES, f"the value of {shown(key)}")
         if kind == _ARRAY:
-            element, length = self._uint(4), self._uint(10)
-            if element not in _INTEGERS or length > MAX_KEPT_ARRAY:
-                raise GgufError(f"{shown(key)} is not a short list of whole numbers")
-            return tuple(self._uint(element) for _ in range(length))
+            element, length = self._uint(4), self._length(MAX_ARRAY_LENGTH, "an array")
+            if element in _INTEGERS and length <= MAX_KEPT_ARRAY:
+                return tuple(self._uint(element) for _ in range(length))
+            self._skip_elements(element, length)
+            return None
         raise GgufError(f"{shown(key)} is of an unknown type ({kind})")
 
     def _skip_value(self, kind: int) -> None:
@@ -115,16 +118,18 @@ class _Reader:
         elif kind == _STRING:
             self._skip(self._length(MAX_STRING_BYTES, "a string value"))
         elif kind == _ARRAY:
-            element, length = self._uint(4), self._length(MAX_ARRAY_LENGTH, "an array")
-            if element in _SCALARS:
-                self._skip(length * struct.calcsize(_SCALARS[element]))
-            elif element == _STRING:
-                for _ in range(length):
-                    self._skip(self._length(MAX_STRING_BYTES, "a string in an array"))
-            else:
-                raise GgufError(f"an array holds values of type {element}, which GGUF arrays may not")
+            self._skip_elements(self._uint(4), self._length(MAX_ARRAY_LENGTH, "an array"))
         else:
             raise GgufError(f"a metadata value is of an unknown type ({kind})")
+
+    def _skip_elements(self, element: int, length: int) -> None:
+        if element in _SCALARS:
+            self._skip(length * struct.calcsize(_SCALARS[element]))
+        elif element == _STRING:
+            for _ in range(length):
+                self._skip(self._length(MAX_STRING_BYTES, "a string in an array"))
+        else:
+            raise GgufError(f"an array holds values of type {element}, which GGUF arrays may not")
 
     def _scalar(self, kind: int) -> int | float:
         form = _SCALARS[kind]
