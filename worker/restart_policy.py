@@ -47,8 +47,9 @@ ERROR_LINES_SHOWN = 8
 DETAIL_LINES_KEPT = 40
 MEMORY_WAIT_REASON = "Another program is using the GPU's memory; waiting for it to free up"
 # A request the relay saw break this long before the supervisor saw the exit was still in flight
-# when the engine died: the relay can read the closed connection before the exit is reported.
-REQUEST_CRASH_GRACE_S = 2.0
+# when the engine died: the engine's sockets close just before its exit is reported, so the
+# relay can end a request first (milliseconds apart; a core dump comes before both).
+REQUEST_CRASH_GRACE_S = 1.0
 REQUEST_CRASH_LIMIT = 3
 REQUEST_CRASH_WINDOW_S = 600.0
 

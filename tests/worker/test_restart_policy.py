@@ -190,8 +190,8 @@ SEGFAULT = Ended("crashed", "the engine exited with status -11; last lines:\n(no
 @pytest.mark.parametrize(("ended", "in_flight", "since", "by_request"), [
     (SEGFAULT, 1, None, True),  # a request in flight when it died
     (SEGFAULT, 0, 0.4, True),  # the relay saw the broken connection just before the exit was seen
-    (SEGFAULT, 0, 2.0, True),
-    (SEGFAULT, 0, 2.5, False),  # idle for a while: the engine broke by itself
+    (SEGFAULT, 0, 1.0, True),
+    (SEGFAULT, 0, 1.5, False),  # idle for a while: the engine broke by itself
     (SEGFAULT, 0, None, False),  # no request ever
     (dataclasses.replace(SEGFAULT, kind="oom"), 3, None, True),  # a request that took all the memory
     (dataclasses.replace(SEGFAULT, was_ready=False), 1, None, False),  # never served: a start-up failure
