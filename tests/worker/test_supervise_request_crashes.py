@@ -15,7 +15,9 @@ import pytest
 
 from tests.support import toy_engine
 from worker.config import Paths
+from worker.engine_set import EngineSet
 from worker.engines import registry
+from worker.gpu_watch import GpuWatch
 from worker.events import EngineSnapshot
 from worker.plan import EnginePlan
 from worker.restart_policy import RequestCrashes, SupervisorTiming
@@ -119,3 +121,30 @@ async def test_three_request_crashes_in_ten_minutes_refuse_constrained_decoding_
         crashing.clock.now += 240  # the third comes 480 s after the first
     assert crashing.waits == [0.0, 0.0, 0.0]
     assert target.constraints_refused is not None and "3 times within 10 minutes" in target.constraints_refused
+
+
+async def test_the_refusal_holds_for_the_nodes_whole_run_whatever_engine_serves(tmp_path: Path) -> None:
+    """The count is the node's (`EngineSet`), not one supervisor's: an engine started later (a
+    Retry, a new assignment) carries the refusal too."""
+
+    async def same_share(_plan: EnginePlan) -> float | None:
+        return None
+
+    registry.register(toy_engine)
+    engines = EngineSet(Paths.under(tmp_path).ensure(), GpuWatch(None), on_event=lambda _snap, _why: None,
+                        remeasure=same_share)
+    try:
+        for _ in range(3):
+            engines.request_crashes.record()  # three crashes within a moment, under an earlier engine
+        await engines.launch([EnginePlan(
+            engine_id="e1", engine="toy", gpu_indices=(), layout="single", memory_mib=0, tier=None, args=(),
+            fallbacks=(), port=18200, env={}, executable=(sys.executable, "-m", "tests.support.toy_engine"),
+            model="/m", served_name="m")])
+        sup = engines.get("e1")
+        assert sup is not None and (await sup.wait_for_state("ready", "failed", timeout=READY_S)).state == "ready"
+        [target] = engines.ready_targets()
+        assert target.constraints_refused == engines.request_crashes.refusal is not None
+    finally:
+        await engines.stop_all()
+        await engines.close()
+        registry.unregister(toy_engine.NAME)
