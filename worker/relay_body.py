@@ -8,7 +8,7 @@ inline, as `data:` URLs.
 A body's constraints are bounded too (`unbounded`, `beyond_context`; contract, Relay, "Bounded
 requests"): an engine compiles a grammar, a JSON schema or a regex recursively, and one nested
 deep enough crashes it (llama-server fell to a grammar 20,000 parentheses deep, 40 kB). Each
-check is one linear pass over what it reads, and sizes are checked before nesting is counted.
+check is linear in what it reads, and sizes are checked before nesting is counted.
 
 `StreamFilter` cuts an event stream at SSE event boundaries (so a multi-byte character is never
 split), looks for `"usage"` with one substring search over the whole block, and splits into events
@@ -51,7 +51,8 @@ MAX_CHOICES = 16
 MAX_LOGPROBS = 20
 MAX_TOOLS = 128  # OpenAI's own limit; each tool's parameters are a constraint of up to 64 KiB
 # Where the engines take a grammar, a JSON schema or a regex (llama-server's and vLLM's request
-# parsers): each key's whole value is one constraint; each tool's parameters become one too.
+# parsers): each key's whole value is one constraint, and so is each tool (its parameters become
+# a grammar).
 _CONSTRAINT_KEYS = ("grammar", "json_schema", "response_format", "grammar_triggers", "structured_outputs",
                     "guided_json", "guided_regex", "guided_grammar", "guided_choice", "guided_whitespace_pattern")
 _CHOICE_KEYS = ("n", "n_cmpl", "best_of")  # answers generated for one request
@@ -233,9 +234,9 @@ def _fetched(text: str, url_key: bool, in_media: bool) -> bool:
 def unbounded(body: Any) -> str | None:
     """Why `body` asks more of an engine than any request may, whatever the engine, or None
     (pure): a constraint over `MAX_CONSTRAINT_BYTES` or nesting brackets deeper than
-    `MAX_CONSTRAINT_NESTING`, all of them over `MAX_CONSTRAINTS_BYTES`, more than `MAX_TOOLS` tools, more than `MAX_CHOICES` answers, or
-    more than `MAX_LOGPROBS` log-probabilities a token. Expects a body no deeper than
-    `MAX_BODY_DEPTH` (`media_by_url`)."""
+    `MAX_CONSTRAINT_NESTING`, all of them over `MAX_CONSTRAINTS_BYTES`, more than `MAX_TOOLS`
+    tools, more than `MAX_CHOICES` answers, or more than `MAX_LOGPROBS` log-probabilities a
+    token. Expects a body no deeper than `MAX_BODY_DEPTH` (`media_by_url`)."""
     if not isinstance(body, dict):
         return None
     tools = body.get("tools")

@@ -49,9 +49,9 @@ class Crashing:
         async def sleep(seconds: float) -> None:
             self.waits.append(seconds)
 
-        self.sup = EngineSupervisor(plan, paths=Paths.under(tmp_path).ensure(), sleep=sleep, request_crashes=self.crashes,
-                                    timing=SupervisorTiming(poll_s=0.05, health_interval_s=0.2, output_settle_s=0.5,
-                                                            max_fast_failures=2))
+        timing = SupervisorTiming(poll_s=0.05, health_interval_s=0.2, output_settle_s=0.5, max_fast_failures=2)
+        self.sup = EngineSupervisor(plan, paths=Paths.under(tmp_path).ensure(), sleep=sleep, timing=timing,
+                                    request_crashes=self.crashes)
 
     async def ready(self) -> EngineSnapshot:
         return await self.sup.wait_for_state("ready", "failed", timeout=READY_S)
