@@ -29,5 +29,5 @@ install_system_packages() {
     fi
     echo "installing system packages the tests need: ${need[*]}" >&2
     "${as[@]}" apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive "${as[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
+    "${as[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 }
