@@ -249,7 +249,10 @@ class _Guard:
         os.waitpid(first, 0)
 
     def arm(self, group: int) -> None:
-        os.write(self._fd, f"{group}\n".encode())
+        try:
+            os.write(self._fd, f"{group}\n".encode())
+        except OSError as exc:  # the guard is gone: the engine still runs, with die-with-parent only
+            log.warning("engine group %d runs without its guard (%s)", group, exc)
 
     def release(self) -> None:
         with contextlib.suppress(OSError):
@@ -270,9 +273,10 @@ def _watch(read_fd: int) -> NoReturn:
     of the app's held open but the pipe; on EOF, SIGKILL to the group named unless told to stand down."""
     try:
         os.setsid()
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
+        with contextlib.suppress(ValueError, OSError):  # an app without handlers: nothing to undo
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL)
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
