@@ -83,10 +83,14 @@ class Agent:
 @dataclass
 class Served:
     coordinator: ReferenceCoordinator
-    agent: Agent
+    agents: list[Agent]  # every app this module started; the last is the one running now
     model: Path
     vllm: Path
     root: Path
+
+    @property
+    def agent(self) -> Agent:
+        return self.agents[-1]
 
     async def wait_for(self, check: Callable[[], Any], what: str, timeout: float = START_TIMEOUT_S) -> Any:
         deadline = time.monotonic() + timeout
@@ -177,13 +181,14 @@ async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Serv
     root = tmp_path_factory.mktemp("real-vllm")
     coordinator = ReferenceCoordinator(token=TOKEN, heartbeat_s=1.0, price=PRICE, assign=assignment(model, "a-1"))
     await coordinator.start()
-    served = Served(coordinator, start_agent(root, "node", coordinator, vllm), model, vllm, root)
+    served = Served(coordinator, [start_agent(root, "node", coordinator, vllm)], model, vllm, root)
     try:
         yield served
     finally:
-        await stop_agent(served.agent)
+        for agent in served.agents:
+            await stop_agent(agent)
         await coordinator.stop()
-        trees = [pid for tree in served.agent.trees for pid in tree]
+        trees = [pid for agent in served.agents for tree in agent.trees for pid in tree]
         assert await all_gone(trees) == [], "vLLM processes outlived the test"
 
 
@@ -267,7 +272,7 @@ async def test_quit_leaves_no_process_of_the_tree(served: Served) -> None:
 
 
 async def test_a_sigkilled_app_leaves_no_process_of_the_tree(served: Served) -> None:
-    served.agent = start_agent(served.root, "node-2", served.coordinator, served.vllm)  # sent a-1 on connecting
+    served.agents.append(start_agent(served.root, "node-2", served.coordinator, served.vllm))  # sent a-1 on connecting
     tree = await served.tree_with_worker()
     served.agent.process.kill()
     assert await all_gone(tree) == []
