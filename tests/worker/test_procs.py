@@ -118,3 +118,33 @@ async def _until(check, timeout_s: float = 5.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
+
+
+def sleeping_group() -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+
+def killed_within(process: subprocess.Popen[bytes], seconds: float) -> bool:
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return False
+    return process.returncode == -signal.SIGKILL
+
+
+def test_the_guard_kills_the_group_when_its_pipe_closes_unless_told_to_stand_down() -> None:
+    """Closing is what the kernel does for a dead app; a stop that saw the group gone stands it down first."""
+    armed, released = sleeping_group(), sleeping_group()
+    try:
+        guard = procs._Guard()
+        guard.arm(armed.pid)
+        guard.close()
+        assert killed_within(armed, 5)
+        guard = procs._Guard()
+        guard.arm(released.pid)
+        guard.release()
+        assert not killed_within(released, 1)  # a group id is never killed once its engine's stop saw it gone
+    finally:
+        for process in (armed, released):
+            process.kill()
+            process.wait()
