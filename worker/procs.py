@@ -42,7 +42,13 @@ from typing import NoReturn
 
 import psutil
 
-from worker.config import PRIVATE_FILE_MODE, private_dir, private_opener, write_private_text
+from worker.config import (
+    narrow_existing,
+    private_dir,
+    private_opener,
+    read_private_text,
+    write_private_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +122,7 @@ def write_pid_file(path: Path, record: PidRecord) -> None:
 
 def read_pid_file(path: Path) -> PidRecord | None:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_private_text(path))  # no link followed, no giant file read
         return PidRecord(int(data["pid"]), data.get("create_time"), str(data["program"]),
                          str(data["args_sha256"]), int(data["args_count"]))
     except FileNotFoundError:
@@ -355,7 +361,7 @@ def rotate_logs(log_dir: Path, name: str, keep: int = LOG_RUNS_KEPT) -> Path:
         for newer, elder in zip(reversed([current, *older[:-1]]), reversed(older), strict=False):
             if newer.exists():
                 os.replace(newer, elder)
-                os.chmod(elder, PRIVATE_FILE_MODE)  # a run logged by an older, less careful version
+                narrow_existing(elder)  # a run logged by an older, less careful version; never through a link
     else:
         current.unlink(missing_ok=True)
     return current

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from worker import procs
+from worker.config import DataFolderUnsafe
 
 QUICK = procs.StopTiming(grace_s=0.3, gone_s=3.0, gpu_release_s=2.0, poll_s=0.02)
 
@@ -34,6 +35,29 @@ def test_pid_file_round_trip_keeps_no_argument_in_clear(tmp_path: Path) -> None:
     path.write_text("{not json")
     assert procs.read_pid_file(path) is None
     assert procs.read_pid_file(tmp_path / "missing.json") is None
+
+
+def test_a_link_planted_among_the_engine_logs_is_never_chmodded_through(tmp_path: Path) -> None:
+    """Rotation moves a planted link aside and refuses it; what it points at keeps its mode."""
+    target = tmp_path / "elsewhere"
+    target.write_text("not a log")
+    target.chmod(0o644)
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o700)
+    (logs / "engine-e0.log").symlink_to(target)
+    with pytest.raises(DataFolderUnsafe):
+        procs.rotate_logs(logs, "e0", keep=3)
+    assert target.stat().st_mode & 0o777 == 0o644 and target.read_text() == "not a log"
+
+
+def test_a_pid_file_that_is_a_link_is_not_read(tmp_path: Path) -> None:
+    """A planted pid file pointing at another record would name a process to kill: ignored."""
+    elsewhere = tmp_path / "elsewhere.json"
+    procs.write_pid_file(elsewhere, procs.PidRecord(4242, 1.5, "vllm", "ab" * 32, 7))
+    path = procs.pid_file(tmp_path, "e0")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(elsewhere)
+    assert procs.read_pid_file(path) is None
 
 
 def test_record_recognises_a_script_run_through_its_interpreter(tmp_path: Path) -> None:
