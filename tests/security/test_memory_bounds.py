@@ -124,13 +124,17 @@ async def test_ram_the_serving_engine_holds_counts_for_its_replacement(tiny_gguf
         engine.wait()
 
 
-async def test_1024_threads_on_a_2_core_machine_are_refused(tiny_gguf: Path, tmp_path: Path) -> None:
+async def test_threads_past_the_cpus_logical_cores_are_refused(tiny_gguf: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-t` counts logical CPUs: 2 cores with 2 threads each take `-t 4`, not `-t 1024`."""
+    real = psutil.cpu_count
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 4 if logical else real(logical=False))
     two_cores = machine(cores=2)
     for args, flag in ((["-t", "1024"], "-t"), (["--threads-batch", "1024"], "-tb")):
         reason = await provisioned(two_cores, tiny_gguf, tmp_path, ["-c", "1024", *args])
         assert reason == (f"value not allowed for {flag} (in base_args): 1,024 threads, more than this "
-                          "computer's 2 CPU cores")
-    assert await provisioned(two_cores, tiny_gguf, tmp_path, ["-c", "1024", "-t", "2", "-tb", "2"]) is None
+                          "computer's 4 CPU threads")
+    assert await provisioned(two_cores, tiny_gguf, tmp_path, ["-c", "1024", "-t", "4", "-tb", "4"]) is None
 
 
 async def test_an_unbounded_or_oversized_prompt_cache_is_refused(tiny_gguf: Path, tmp_path: Path) -> None:

@@ -229,8 +229,8 @@ Run = tuple[str, Sequence[str]]  # one argument list an engine may start with, a
 class Room:
     """What one engine process may take, measured just before it starts: the memory the plan
     judged it by (its cards, or the Mac's working set; None where it serves from RAM), the RAM
-    free now judged as a card's usable memory is (never more than the machine has), and the CPU
-    cores."""
+    free now judged as a card's usable memory is (never more than the machine has), and the CPU's
+    logical cores (threads), which is what llama.cpp's `-t` counts."""
 
     device_mib: int | None
     ram_mib: int

@@ -42,17 +42,18 @@ async def provision(current: Plan, machine: Machine, paths: Paths, settings: Set
 
 def check_room(plans: list[EnginePlan], machine: Machine, settings: Settings) -> None:
     """Every argument list each engine may start with (its tier, then its fallbacks) fits the room
-    measured now, where its adapter can tell; else `ProvisionError` with the adapter's reason, so
+    measured now (RAM, and the CPU's threads), where its adapter can tell; else `ProvisionError` with the adapter's reason, so
     nothing starts. RAM is what is free now and what the engines serving now hold (they stop
     before the new ones start), never more than the machine has, judged as a card's usable memory
     is (contract, Assignment: usable RAM). Blocking (reads the model's header): run in a thread."""
     free_mib = min(machine.ram_mib, (psutil.virtual_memory().available + _held_by_engines()) // 2**20)
+    threads = psutil.cpu_count(logical=True) or machine.cpu_cores  # llama.cpp's -t counts logical CPUs
     for ep in plans:
         adapter = ep.adapter
         if not isinstance(adapter, StartCheck):
             continue
         from_ram = not ep.gpu_indices and machine.runtime != "apple-silicon"
-        room = Room(None if from_ram else ep.memory_mib, usable_mib(free_mib, settings), machine.cpu_cores)
+        room = Room(None if from_ram else ep.memory_mib, usable_mib(free_mib, settings), threads)
         runs: list[Run] = [(_where(tier), args) for tier, args in ((ep.tier, ep.args), *ep.fallbacks)]
         if reason := adapter.start_problem(ep.model, runs, room):
             raise ProvisionError(Problem("Assignment refused", reason))

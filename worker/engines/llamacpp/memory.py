@@ -199,7 +199,7 @@ def _thread_problem(label: str, wanted: ServerSettings, cores: int) -> str | Non
     for flag, threads in (("-t", wanted.threads), ("-tb", wanted.threads_batch)):
         if threads is not None and threads > cores:
             return (f"value not allowed for {flag} (in {label}): {threads:,} threads, more than this "
-                    f"computer's {cores:,} CPU cores")
+                    f"computer's {cores:,} CPU threads")
     return None
 
 

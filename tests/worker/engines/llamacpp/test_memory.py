@@ -176,7 +176,7 @@ def test_threads_beyond_the_cores_are_refused(tiny: Path, args: list[str], flag:
     refused = start_problem(str(tiny), [("tier 8000", args)], Room(None, 10_000, 2))
     threads = int(args[1])
     assert refused == (f"value not allowed for {flag} (in tier 8000): {threads:,} threads, more than this "
-                       "computer's 2 CPU cores")
+                       "computer's 2 CPU threads")
     assert start_problem(str(tiny), [("tier 8000", [args[0], "2"])], Room(None, 10_000, 2)) is None
 
 
