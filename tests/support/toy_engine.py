@@ -46,6 +46,7 @@ NAME = "toy"
 DISPLAY_NAME = "Toy engine"
 ARGS_TITLE = "Toy engine (tests only)"
 RUNTIMES: frozenset[str] = frozenset({"cpu"})  # llama.cpp serves `cpu` too, and is registered first
+FALLBACK_RUNTIMES: frozenset[str] = frozenset()
 MODEL_FORMAT: ModelFormat = "folder"
 MEMORY_SHARE = False
 DEFAULT_EXECUTABLE: tuple[str, ...] = (sys.executable, "-m", "tests.support.toy_engine")

@@ -175,6 +175,9 @@ class EngineAdapter(Protocol):
     DISPLAY_NAME: str  # for people: "vLLM"
     ARGS_TITLE: str  # its heading in docs/engine-args.md
     RUNTIMES: frozenset[str]  # the machine runtimes (`protocol.Runtime`) it serves
+    # Of those, the ones it serves only for a model with no block for another engine there (vLLM's
+    # CPU build on `cpu`, after llama.cpp); empty for most.
+    FALLBACK_RUNTIMES: frozenset[str]
     MODEL_FORMAT: ModelFormat
     MEMORY_SHARE: bool  # told the share of each card it may use (`EnginePlan.memory_utilization`)
     DEFAULT_EXECUTABLE: tuple[str, ...]

@@ -48,12 +48,7 @@ def for_runtime(runtime: str) -> tuple[EngineAdapter, ...]:
     except that one serving it only as a fallback (its `FALLBACK_RUNTIMES`: vLLM's CPU build on
     `cpu`) comes after the others."""
     serving = [adapter for adapter in _ADAPTERS.values() if runtime in adapter.RUNTIMES]
-    return tuple(sorted(serving, key=lambda adapter: runtime in _fallback_runtimes(adapter)))
-
-
-def _fallback_runtimes(adapter: EngineAdapter) -> frozenset[str]:
-    runtimes: frozenset[str] = getattr(adapter, "FALLBACK_RUNTIMES", frozenset())
-    return runtimes
+    return tuple(sorted(serving, key=lambda adapter: runtime in adapter.FALLBACK_RUNTIMES))
 
 
 def display_name(name: str) -> str:

@@ -16,6 +16,7 @@ from worker import protocol
 from worker.cli import InputError, parse_engine_bins
 from worker.config import Paths, Settings
 from worker.engines import get_adapter, llamacpp, published_args, registry, vllm
+from worker.engines.base import EngineAdapter
 from worker.hardware.installed import find_engines
 from worker.metrics import parse_metrics, scrape
 from worker.plan import Plan, Refusal, plan
@@ -56,6 +57,18 @@ def test_the_built_in_engines_are_registered_in_preference_order() -> None:
     assert [a.NAME for a in registry.for_runtime("native")] == ["vllm"]
     assert [a.NAME for a in registry.for_runtime("cpu")] == ["llamacpp", "vllm"]  # vLLM's CPU build: a fallback
     assert (registry.display_name("vllm"), registry.display_name("llamacpp")) == ("vLLM", "llama.cpp")
+
+
+def test_every_adapter_has_every_constant_the_protocol_names() -> None:
+    """The registry reads each adapter's `FALLBACK_RUNTIMES` as it reads its `RUNTIMES`, with no
+    default: an adapter without it would be a bug, not a way to say "none"."""
+    constants = [name for name in EngineAdapter.__annotations__ if name.isupper()]
+    assert "FALLBACK_RUNTIMES" in constants
+    for adapter in (vllm, llamacpp, toy_engine):
+        assert [name for name in constants if not hasattr(adapter, name)] == [], adapter.NAME
+        assert adapter.FALLBACK_RUNTIMES <= adapter.RUNTIMES
+    assert (llamacpp.FALLBACK_RUNTIMES, toy_engine.FALLBACK_RUNTIMES, vllm.FALLBACK_RUNTIMES) == (
+        frozenset(), frozenset(), frozenset({"cpu"}))
 
 
 def test_an_unknown_engine_is_refused_by_name_and_shown_as_its_name() -> None:

@@ -32,6 +32,7 @@ NAME = "llamacpp"
 DISPLAY_NAME = "llama.cpp"
 ARGS_TITLE = "llama.cpp (`llama-server`)"
 RUNTIMES: frozenset[str] = frozenset({"apple-silicon", "windows", "cpu"})
+FALLBACK_RUNTIMES: frozenset[str] = frozenset()  # first wherever it runs
 MODEL_FORMAT: ModelFormat = "gguf"
 MEMORY_SHARE = False  # `--fit off` instead: a context that does not fit fails, and a lower tier is tried
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("llama-server",)
@@ -128,7 +129,8 @@ def build_number(build: str) -> int:
 
 
 __all__ = [
-    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "MEMORY_SHARE", "METRICS_PREFIX",
+    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FALLBACK_RUNTIMES",
+    "MEMORY_SHARE", "METRICS_PREFIX",
     "METRIC_NAMES", "MODEL_FORMAT", "NAME", "READY_READS", "RUNTIMES", "build_number", "capacity", "command",
     "derive_metrics", "environment", "find_installed", "normalise_version", "parse_line",
     "ready_snapshot", "runtime_environment", "shipped_versions", "start_problem", "tier_warning", "units",
