@@ -1,6 +1,7 @@
 """The node's GPUs while it runs, through its one NVML source (None: no NVIDIA card, or a
 `--hardware` file): a sample a second with the energy drawn since the last one, the processes
-that hold a card, and a fresh reading of a plan's cards when vLLM found their memory held."""
+that hold a card, and a fresh reading of a plan's cards (or, for vLLM's CPU build, of RAM) when
+vLLM found their memory held."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Collection
+from pathlib import Path
 
 from worker.config import Settings
 from worker.hardware import (
@@ -20,9 +22,10 @@ from worker.hardware import (
     sample_gpus,
     usable_mib,
 )
+from worker.hardware.host import MIB, SYSFS, read_engine_ram
 from worker.hardware.nvml import read_nvidia
 from worker.ledger import EnergyIntegrator
-from worker.plan import EnginePlan, memory_utilization
+from worker.plan import EnginePlan, cards_share, held_to_cap, share
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +33,9 @@ log = logging.getLogger(__name__)
 class GpuWatch:
     """The latest telemetry sample per card and the energy integrator that goes with it."""
 
-    def __init__(self, nvml: NvmlSource | None) -> None:
+    def __init__(self, nvml: NvmlSource | None, *, sysfs: Path = SYSFS) -> None:
         self.nvml = nvml
+        self._sysfs = sysfs  # where the RAM an engine on the CPU sees is read (`read_engine_ram`)
         self.samples: dict[int, GpuSample] = {}  # by card index; empty without NVML
         self._energy = EnergyIntegrator()
 
@@ -59,9 +63,14 @@ class GpuWatch:
         return self.nvml is None or not any(p.pid in pids for p in gpu_processes(self.nvml))
 
     async def memory_share(self, machine: Machine, engine_plan: EnginePlan, settings: Settings) -> float | None:
-        """vLLM's memory share for the plan's cards from a fresh NVML reading, by the rules of
-        detection (`usable_mib`) and planning (`memory_utilization`, with the assignment's cap);
-        None where the cards cannot be read."""
+        """vLLM's memory share for the plan's cards from a fresh NVML reading, or, for vLLM's CPU
+        build (no cards), from the RAM measured again as vLLM measures it; by the rules of detection
+        (`usable_mib`) and planning (`cards_share`/`share`, held to the assignment's cap). None
+        where the cards cannot be read."""
+        if not engine_plan.gpu_indices:
+            total, free = await asyncio.to_thread(read_engine_ram, self._sysfs)
+            measured = share(usable_mib(free // MIB, settings), total // MIB)
+            return held_to_cap(measured, engine_plan.memory_cap)
         if self.nvml is None:
             return None
         reading = await asyncio.to_thread(read_nvidia, self.nvml)
@@ -75,5 +84,5 @@ class GpuWatch:
                                 usable_mib=usable_mib(int(memory[gpu.index]["free_mib"]), settings))
             for gpu in cards
         )
-        return memory_utilization(dataclasses.replace(machine, gpus=fresh), engine_plan.gpu_indices,
-                                  engine_plan.memory_cap)
+        measured = cards_share(dataclasses.replace(machine, gpus=fresh), engine_plan.gpu_indices)
+        return held_to_cap(measured, engine_plan.memory_cap)

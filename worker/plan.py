@@ -28,9 +28,10 @@ Pure: the rules of the protocol's Assignment section, applied to a `Machine`.
   then `base_args` alone, are kept as fallbacks for an out-of-memory start; they run under the
   chosen tier's memory cap.
 - Memory share (contract, Assignment rule 3): an engine whose adapter says `MEMORY_SHARE` (vLLM)
-  is told `--gpu-memory-utilization` = the smallest usable ÷ total over the process's cards,
-  rounded down to 3 decimals and held to the cap, so its start-up check passes on a card whose
-  desktop holds memory; fallbacks use the same. llama.cpp runs with `--fit off` (its adapter), so
+  is told `--gpu-memory-utilization` = the smallest usable ÷ total over the process's cards (on a
+  CPU unit, vLLM's CPU build: usable ÷ total RAM as measured), rounded down to 3 decimals and held
+  to the cap, so its start-up check passes on a card whose desktop holds memory, or in RAM other
+  programs hold; fallbacks use the same. llama.cpp runs with `--fit off` (its adapter), so
   a context that does not fit fails instead.
 - Runtime: the adapter's environment for the runtime (vLLM under WSL2: what keeps it starting
   there, engines.md A8).
@@ -334,20 +335,35 @@ def _engine_plan(number: int, unit: Unit, machine: Machine, common: _Common, por
         model=common.model,
         served_name=common.served_name,
         memory_cap=chosen.cap,
-        memory_utilization=memory_utilization(machine, unit.gpu_indices, chosen.cap) if common.memory_share else None,
+        memory_utilization=memory_utilization(machine, unit, chosen.cap) if common.memory_share else None,
     )
 
 
-def memory_utilization(machine: Machine, gpu_indices: Sequence[int], cap: float | None) -> float | None:
-    """vLLM's `--gpu-memory-utilization` for a process on these cards: the smallest usable ÷ total
-    among them, rounded down to 3 decimals (vLLM checks share × total ≤ free on every card, so
-    rounding up could fail it), then held to the assignment's cap. The cap alone where a card's
-    total is unknown, None where neither is."""
+def memory_utilization(machine: Machine, unit: Unit, cap: float | None) -> float | None:
+    """vLLM's `--gpu-memory-utilization` for one process: the smallest usable ÷ total among its
+    cards, or, on a CPU unit (vLLM's CPU build: no cards), its usable ÷ total RAM; rounded down to
+    3 decimals (vLLM checks share × total ≤ free, so rounding up could fail it), then held to the
+    assignment's cap. The cap alone where a total is unknown, None where neither is."""
+    measured = cards_share(machine, unit.gpu_indices) if unit.gpu_indices else share(unit.usable_mib, unit.total_mib)
+    return held_to_cap(measured, cap)
+
+
+def cards_share(machine: Machine, gpu_indices: Sequence[int]) -> float | None:
+    """The smallest usable ÷ total among these cards (rounded down), None where one is unknown."""
     cards = [gpu for gpu in machine.gpus if gpu.index in gpu_indices]
-    shares = [gpu.usable_mib * SHARE_STEPS // gpu.memory_total_mib / SHARE_STEPS for gpu in cards
-              if gpu.memory_total_mib > 0]
-    measured = min(shares) if shares and len(shares) == len(gpu_indices) else None
-    known = [share for share in (measured, cap) if share is not None]
+    shares = [measured for gpu in cards if (measured := share(gpu.usable_mib, gpu.memory_total_mib)) is not None]
+    return min(shares) if shares and len(shares) == len(gpu_indices) else None
+
+
+def share(usable_mib: int, total_mib: int | None) -> float | None:
+    """usable ÷ total rounded down to 3 decimals; None where the total is unknown."""
+    if not total_mib or total_mib <= 0:
+        return None
+    return usable_mib * SHARE_STEPS // total_mib / SHARE_STEPS
+
+
+def held_to_cap(measured: float | None, cap: float | None) -> float | None:
+    known = [value for value in (measured, cap) if value is not None]
     return min(known) if known else None
 
 

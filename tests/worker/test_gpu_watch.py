@@ -1,14 +1,19 @@
-"""The node's GPUs through a recorded NVML source: samples, energy, and who else holds a card.
-(The fresh memory reading is tested through the node in `test_supervise.py`.)"""
+"""The node's GPUs through a recorded NVML source: samples, energy, and who else holds a card; RAM
+measured again for vLLM's CPU build. (The fresh reading of cards is tested through the node in
+`test_supervise.py`.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
+from tests.worker.engines.test_vllm_cpu import FOLDER, assign, cpu_machine, write_node
+from worker.config import Settings
 from worker.gpu_watch import GpuWatch
 from worker.hardware import ReplaySource
+from worker.plan import Plan, plan
 
 CARD = {"device_count": 1, "memory:0": {"total_mib": 24564, "free_mib": 23000, "used_mib": 1564},
         "utilization_pct:0": 97, "power_mw:0": 300_000, "temperature_c:0": 70, "energy_mj:0": 1_000_000,
@@ -37,3 +42,18 @@ def test_processes_besides_the_apps_and_whether_a_stopped_engine_let_go() -> Non
     assert [p.pid for p in watch.processes_besides(lambda: {os.getpid()})] == [4242]
     assert not watch.released({4242})
     assert watch.released({1})
+
+
+async def test_a_cpu_engine_is_told_the_share_of_ram_free_now(tmp_path) -> None:
+    """vLLM's CPU build refused to start for RAM another program held: the restart measures RAM
+    again as vLLM does (its NUMA node), by the same usable rule, held to the assignment's cap."""
+    chosen = plan(cpu_machine(usable_mib=6000, total_mib=8192), assign(vllm=FOLDER), Settings())
+    assert isinstance(chosen, Plan)
+    [engine] = chosen.engines
+    assert engine.memory_utilization == 0.732  # as detected: 6,000 of 8,192 MiB
+    write_node(tmp_path, 0, total_kb=8 * 1024 * 1024, free_kb=3 * 1024 * 1024, cache_kb=512 * 1024)
+    watch = GpuWatch(None, sysfs=tmp_path)  # no NVIDIA card: RAM is read all the same
+    # 4,096 MiB free now (free + file cache): 0.9 × 4,096 − 512 = 3,174 MiB usable of 8,192
+    assert await watch.memory_share(cpu_machine(), engine, Settings()) == 0.387
+    capped = dataclasses.replace(engine, memory_cap=0.2)
+    assert await watch.memory_share(cpu_machine(), capped, Settings()) == 0.2

@@ -57,6 +57,20 @@ def test_a_vllm_only_model_runs_on_the_cpu_build_over_the_ram_it_measured() -> N
     assert engine.executable == ("/venv/bin/vllm",)
 
 
+def test_without_a_cap_vllm_is_told_the_share_of_ram_measured_usable() -> None:
+    """vLLM's own default share (0.92) fails its start-up check in RAM others hold: "Available memory
+    on node 0 (6.9/8.71 GiB) on startup is less than desired CPU memory utilization (0.92, …)"."""
+    chosen = plan(cpu_machine(usable_mib=6000, total_mib=10_330), assign(vllm=FOLDER), Settings())
+    assert isinstance(chosen, Plan)
+    [engine] = chosen.engines
+    assert engine.memory_cap is None and engine.memory_utilization == 0.580  # 6,000 / 10,330 = 0.5808…, down
+    argv = engine.argv()
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.58"
+    capped = {**FOLDER, "base_args": ["--max-model-len", "4096", "--gpu-memory-utilization", "0.9"]}
+    chosen = plan(cpu_machine(usable_mib=6000, total_mib=10_330), assign(vllm=capped), Settings())
+    assert isinstance(chosen, Plan) and chosen.engines[0].memory_utilization == 0.580  # a cap above it: the share
+
+
 def test_the_assignments_cap_holds_the_ram_it_is_judged_by() -> None:
     capped = {**FOLDER, "base_args": ["--max-model-len", "4096", "--gpu-memory-utilization", "0.1"]}
     chosen = plan(cpu_machine(), assign(vllm=capped), Settings())
