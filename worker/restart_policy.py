@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 
 ERROR_LINES_SHOWN = 8
 DETAIL_LINES_KEPT = 40
+# Where the engine runs: on a graphics card, or in RAM (vLLM's CPU build).
 MEMORY_WAIT_REASON = "Another program is using the GPU's memory; waiting for it to free up"
+RAM_WAIT_REASON = "Other programs are using the computer's memory (RAM) the model needs; waiting for it to free up"
 # A request the relay saw break this long before the supervisor saw the exit was still in flight
 # when the engine died: the engine's sockets close just before its exit is reported, so the
 # relay can end a request first (milliseconds apart; a core dump comes before both).
@@ -96,6 +98,7 @@ class Ended:
     was_ready: bool
     lines: tuple[str, ...] = ()  # the engine's last lines of output (what a person finds under Details)
     by_request: bool = False  # a ready engine died by itself while serving requests
+    in_ram: bool = False  # a free-memory refusal of RAM (the engine runs on the CPU), not of a card
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,8 @@ def next_step(ended: Ended, *, option: int, options: int, fast_failures: int, ti
     """Pure: the step after an attempt ended. `fast_failures` counts this one if it was fast;
     `memory_waits` the free-memory refusals in a row, this one included."""
     if ended.kind == "free_memory":
-        return Step("wait", MEMORY_WAIT_REASON, timing.memory_wait.delay(memory_waits))
+        reason = RAM_WAIT_REASON if ended.in_ram else MEMORY_WAIT_REASON
+        return Step("wait", reason, timing.memory_wait.delay(memory_waits))
     if ended.by_request:
         return Step("retry", f"restarting at once: {ended.message}")
     if ended.kind == "unstartable":
@@ -204,7 +208,7 @@ class AttemptFacts:
 
     oom: str | None = None
     too_long: ContextTooLong | None = None
-    free_memory: str | None = None
+    free_memory: FreeMemoryShort | None = None
     slots: Slots | None = None
     kv_mib: float = 0.0  # llama.cpp: every KV cache of this start together
     kv_cells: int | None = None  # llama.cpp: the full-attention cache's cells (the largest)
@@ -249,7 +253,7 @@ class AttemptFacts:
         if isinstance(fact, ContextTooLong):
             self.too_long = fact
         elif isinstance(fact, FreeMemoryShort):
-            self.free_memory = self.free_memory or fact.message
+            self.free_memory = self.free_memory or fact
         elif isinstance(fact, OutOfMemory):
             self.oom = self.oom or fact.message
 
@@ -258,7 +262,8 @@ class AttemptFacts:
         better than the status; else the last lines of output (`tail`) say what there is."""
         lines = tuple(line for line in tail if line.strip())[-DETAIL_LINES_KEPT:]
         if self.free_memory is not None:
-            return Ended("free_memory", self.free_memory, uptime_s, was_ready, lines)
+            return Ended("free_memory", self.free_memory.message, uptime_s, was_ready, lines,
+                         in_ram=self.free_memory.in_ram)
         if self.too_long is not None:
             return Ended("context", context_refusal(self.too_long), uptime_s, was_ready, lines)
         if self.oom is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from worker.engines import vllm
 from worker.engines.base import (
     ContextSize,
     ContextTooLong,
@@ -22,6 +23,7 @@ from worker.engines.base import (
 from worker.events import ContextNumbers, EngineSnapshot
 from worker.plan import EnginePlan
 from worker.restart_policy import (
+    MEMORY_WAIT_REASON,
     AttemptFacts,
     RequestCrashes,
     RestartBackoff,
@@ -107,6 +109,30 @@ def test_a_free_memory_refusal_waits_on_the_same_tier_longer_each_time_up_to_a_m
     assert [(s.action, s.delay_s) for s in steps] == [("wait", 2), ("wait", 4), ("wait", 8), ("wait", 60),
                                                      ("wait", 60), ("wait", 60)]
     assert steps[0].reason == "Another program is using the GPU's memory; waiting for it to free up"
+
+
+def test_a_free_memory_refusal_of_ram_says_so_in_plain_words() -> None:
+    """vLLM's CPU build found RAM held by other programs: no GPU in the reason a person reads."""
+    line = ("(Worker pid=7) ERROR 12-01 23:07:51 [cpu_worker.py:84] ValueError: Available memory on node 0 "
+            "(6.9/8.71 GiB) on startup is less than desired CPU memory utilization (0.92, 8.02 GiB).")
+    ended = facts_ending_for(line)
+    assert ended.kind == "free_memory" and ended.in_ram and ended.message.startswith("ValueError: Available memory")
+    step = next_step(ended, option=0, options=3, fast_failures=1, tier=None, next_tier=None, timing=TIMING,
+                     backoff=BACKOFF, memory_waits=1)
+    assert step.action == "wait" and "GPU" not in step.reason and "graphics" not in step.reason
+    assert step.reason == ("Other programs are using the computer's memory (RAM) the model needs; "
+                           "waiting for it to free up")
+    gpu = facts_ending_for(FREE_MEMORY_REFUSAL)
+    assert not gpu.in_ram and next_step(gpu, option=0, options=3, fast_failures=1, tier=None, next_tier=None,
+                                        timing=TIMING, backoff=BACKOFF).reason == MEMORY_WAIT_REASON
+
+
+def facts_ending_for(line: str) -> Ended:
+    facts = AttemptFacts()
+    fact = vllm.parse_line(line)
+    assert fact is not None
+    facts.absorb(fact, starting())
+    return facts.ending(1, [], 9.0, False)
 
 
 def test_context_refusal_without_an_estimate_still_says_what_to_do() -> None:

@@ -102,10 +102,12 @@ class OutOfMemory:
 
 @dataclass(frozen=True)
 class FreeMemoryShort:
-    """vLLM refused to start: the card has less free than its memory share asks for, because
-    another process holds some. No lower tier helps; measuring again and waiting does."""
+    """vLLM refused to start: the card (or, for its CPU build, the RAM: `in_ram`) has less free
+    than its memory share asks for, because another process holds some. No lower tier helps;
+    measuring again and waiting does."""
 
     message: str
+    in_ram: bool = False
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,9 @@ def test_a_model_larger_than_the_usable_ram_is_refused_before_it_starts() -> Non
     "for kv (1.2/1.74 GiB). Reduce CPU memory used by other processes.",
 ])
 def test_the_cpu_builds_memory_refusals_are_free_memory_short(line: str) -> None:
-    assert isinstance(vllm.parse_line(line), FreeMemoryShort)
+    fact = vllm.parse_line(line)
+    assert isinstance(fact, FreeMemoryShort) and fact.in_ram  # RAM others hold, not a card's memory
+    assert fact.message.startswith("ValueError: Available memory on node")
 
 
 def test_an_inherited_kv_size_that_would_skip_the_memory_check_is_dropped() -> None:

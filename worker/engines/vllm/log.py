@@ -56,8 +56,8 @@ _OOM = re.compile(
 # The refusal only (A3); a healthy start's INFO hint "Free memory on device (…) on startup. Desired …" is not one.
 # The CPU build's (0.32, `v1/worker/cpu_worker.py`) measures its NUMA node's RAM, at start-up and again
 # when it allocates the KV cache.
-_FREE_MEMORY = re.compile(
-    r"Free memory on device .*? on startup is less than desired GPU memory utilization|"
+_FREE_MEMORY = re.compile(r"Free memory on device .*? on startup is less than desired GPU memory utilization")
+_FREE_RAM = re.compile(
     r"Available memory on node \d+ .*? is less than (?:desired CPU memory utilization|requested memory for kv)"
 )
 _FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed")
@@ -72,6 +72,8 @@ def parse_line(line: str) -> LogFact | None:
         return ContextTooLong(int(match.group(1)), int(estimate.group(1)) if estimate else None)
     if _FREE_MEMORY.search(message):
         return FreeMemoryShort(message.strip())
+    if _FREE_RAM.search(message):
+        return FreeMemoryShort(message.strip(), in_ram=True)
     if _OOM.search(message):
         return OutOfMemory(message.strip())
     if _FAILED.search(message):
