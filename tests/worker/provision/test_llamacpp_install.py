@@ -78,7 +78,7 @@ def serve_release(
 def pinned(assets: dict[str, bytes], build: str = BUILD) -> Releases:
     """A pin list (as the app ships) holding exactly these assets of `build`, byte for byte."""
     pins = {name: PinnedAsset(hashlib.sha256(data).hexdigest(), len(data)) for name, data in assets.items()}
-    return Releases(vllm=("0.33.0",), llamacpp={build: pins})
+    return Releases(vllm_builds=SHIPPED.vllm_builds, llamacpp={build: pins})
 
 
 def platform_asset_name(suffix: str = ".zip") -> str:
@@ -269,7 +269,7 @@ async def test_no_version_installs_the_newest_pinned_build(
 ) -> None:
     name = platform_asset_name()
     serve_release(server, {name: release_zip()})
-    releases = Releases(vllm=(), llamacpp={**pinned({name: release_zip()}).llamacpp, "b10": {}})
+    releases = Releases(vllm_builds=(), llamacpp={**pinned({name: release_zip()}).llamacpp, "b10": {}})
 
     install = await ensure_engine(
         "llamacpp",
@@ -370,7 +370,7 @@ def test_shipped_versions_and_none_are_allowed(engine: str, version: str | None)
 @pytest.mark.parametrize(
     ("engine", "version", "says"),
     [
-        ("vllm", "0.8.5", "vLLM version 0.8.5 is not one this app ships with (0.33.0)"),
+        ("vllm", "0.8.5", "vLLM version 0.8.5 is not one this app ships with (0.33.0, 0.32.0)"),
         ("llamacpp", "b6500", "llama.cpp version b6500 is not one this app ships with (b10423)"),
         ("vllm", "../../etc", "is not a version number"),
         ("ollama", "1.0", "engine 'ollama' is not one this app runs"),
