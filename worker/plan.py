@@ -10,9 +10,11 @@ Pure: the rules of the protocol's Assignment section, applied to a `Machine`.
   engine block, before any other check; every later step is then linear in the frame's size (a
   tier's args are joined to `base_args` only for the tier chosen and its fallbacks).
 - Safety first: every argument of `base_args` and of every tier must be on the engine's
-  allowlist (`worker/engines/<engine>/args.py`), with a value of its type, before anything else is
-  decided; then the engine version must be one the app ships, and the source one it may load. The
-  app-owned flags are appended last by the engine adapter, and nothing ever goes through a shell.
+  allowlist (`worker/engines/<engine>/args.py`), with a value of its type, and known to the engine
+  version the plan will run (a spelling or value the table says came later is refused: vLLM's CPU
+  build is 0.32), before anything else is decided; then the engine version must be one the app
+  ships, and the source one it may load. The app-owned flags are appended last by the engine
+  adapter, and nothing ever goes through a shell.
 - Memory cap: a `--gpu-memory-utilization` (or `--device-memory-utilization`) in the assignment
   leaves the args and becomes `EnginePlan.memory_cap` (the last one wins); fit and tier are then
   judged by min(usable, cap × total) of the process's cards.
@@ -204,7 +206,8 @@ def _plan(
         return chosen
     adapter, engine_model = chosen
     engine = adapter.NAME
-    problem = check_args(engine_model, adapter.ALLOWED_ARGS, allow_remote_code=settings.allow_remote_code)
+    problem = check_args(engine_model, adapter.ALLOWED_ARGS, allow_remote_code=settings.allow_remote_code,
+                         version=running_version(machine, engine, engine_model))
     problem = problem or version_problem(engine, engine_model.engine_version)
     if problem:
         return Refusal(problem)
@@ -273,13 +276,22 @@ def size_problem(model: protocol.ModelSpec) -> str | None:
     return None
 
 
-def check_args(engine_model: protocol.EngineModel, allowlist: Allowlist, *, allow_remote_code: bool) -> str | None:
-    """The first argument of `base_args` or of any tier the allowlist refuses, as a reason that starts
-    `argument not allowed: FLAG` (or `value not allowed for FLAG`) and says where it was."""
+def running_version(machine: Machine, engine: str, engine_model: protocol.EngineModel) -> str | None:
+    """The engine version the plan will run: the assignment's, else the one installed here (which
+    provisioning then uses), else None (the newest the app ships)."""
+    installed = machine.engines.get(engine)
+    return engine_model.engine_version or (installed.version if installed else None)
+
+
+def check_args(engine_model: protocol.EngineModel, allowlist: Allowlist, *, allow_remote_code: bool,
+               version: str | None = None) -> str | None:
+    """The first argument of `base_args` or of any tier the allowlist refuses (or the engine at
+    `version` does not know), as a reason that starts `argument not allowed: FLAG` (or `value not
+    allowed for FLAG`) and says where it was."""
     lists = [("base_args", list(engine_model.base_args))]
     lists += [(f"tier {threshold}", args) for threshold, args in engine_model.tier_thresholds()]
     for where, args in lists:
-        if problem := allowlist.check(args, allow_remote_code=allow_remote_code, where=where):
+        if problem := allowlist.check(args, allow_remote_code=allow_remote_code, where=where, version=version):
             return problem
     return None
 

@@ -29,6 +29,9 @@ _BINARY_FACTOR = {"K": 2**10, "M": 2**20}
 SHOWN_LIMIT = 80  # characters of a refused value quoted back in a reason
 MAX_JSON_BYTES = 64 * 1024  # a JSON value's size, UTF-8 (contract, Assignment rule 4)
 MAX_JSON_DEPTH = 16  # brackets open at once in a JSON value (contract, Assignment rule 4)
+_VERSION = re.compile(r"v?([0-9]{1,6}(?:\.[0-9]{1,6}){1,3})")
+_PLAIN_VERSION = re.compile(r"[0-9A-Za-z.+-]{1,40}")  # a version quoted as it is in a reason
+Version = tuple[int, ...]  # (0, 33): an engine version, compared part by part
 
 
 def shown(text: str) -> str:
@@ -117,10 +120,12 @@ class FloatValue:
 
 @dataclass(frozen=True)
 class Choice:
-    """One of `values` (or, with `many`, a comma-separated list of them, as llama.cpp's `--spec-type`)."""
+    """One of `values` (or, with `many`, a comma-separated list of them, as llama.cpp's `--spec-type`);
+    `since`: the engine version each value came in, for those newer than the oldest the app runs."""
 
     values: tuple[str | int, ...]
     many: bool = False
+    since: Mapping[str, Version] = field(default_factory=dict)
 
     def problem(self, text: str) -> str | None:
         words = text.split(",") if self.many else [text]
@@ -141,6 +146,25 @@ class Choice:
 
 
 JsonValue = Union[IntValue, FloatValue, Choice]
+
+
+def parse_version(text: str) -> Version | None:
+    """`0.32.0+cpu` → (0, 32, 0); None where `text` does not start with a version number."""
+    match = _VERSION.match(text)
+    return None if match is None else tuple(int(part) for part in match.group(1).split("."))
+
+
+def shown_version(version: Version) -> str:
+    return ".".join(str(part) for part in version)
+
+
+def too_old(running: str | None, since: Version) -> bool:
+    """Whether the engine version the plan will run (None: not known yet, so the newest the app
+    ships) lacks what came in `since`; a version that is no version number lacks it too."""
+    if running is None:
+        return False
+    parsed = parse_version(running)
+    return parsed is None or parsed < since
 
 
 @dataclass(frozen=True)
@@ -245,7 +269,9 @@ class AllowedFlag:
 
     `negations` (switches only) are the spellings that turn it off; `equals` says the parser also
     reads `--flag=value` for the long spellings; `remote_code` flags (not their negations) pass only
-    where the person allowed remote code; a `memory_cap` flag is the assignment's memory cap.
+    where the person allowed remote code; a `memory_cap` flag is the assignment's memory cap;
+    `since`: the engine version a spelling came in, for those newer than the oldest the app runs
+    (refused, with the reason, where the plan runs an older one).
     """
 
     spellings: tuple[str, ...]
@@ -255,6 +281,7 @@ class AllowedFlag:
     equals: bool = False
     remote_code: bool = False
     memory_cap: bool = False
+    since: Mapping[str, Version] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -266,6 +293,20 @@ class AllowedFlag:
 
     def all_spellings(self) -> tuple[str, ...]:
         return self.spellings + self.negations
+
+    def older_spelling(self, spelling: str) -> str | None:
+        """A spelling of the same meaning that no version restricts (`--no-enable-X` for `--disable-X`)."""
+        same = self.negations if spelling in self.negations else self.spellings
+        return next((other for other in same if other not in self.since), None)
+
+    def version_notes(self) -> str:
+        """What needs a newer engine, for the docs: `` `--disable-X`: 0.33 and later.``"""
+        kind = self.value
+        values = kind.since if isinstance(kind, Choice) else {}
+        added: dict[Version, list[str]] = {}
+        for name, version in (*self.since.items(), *values.items()):
+            added.setdefault(version, []).append(f"`{name}`")
+        return "".join(f" {', '.join(names)}: {shown_version(version)} and later." for version, names in added.items())
 
 
 @dataclass(frozen=True)
@@ -287,16 +328,18 @@ class Allowlist:
                 index[spelling] = flag
         object.__setattr__(self, "_index", index)
 
-    def check(self, args: Sequence[str], *, allow_remote_code: bool = False, where: str | None = None) -> str | None:
-        """None when every token is an allowed spelling or that flag's valid value; else the first
+    def check(self, args: Sequence[str], *, allow_remote_code: bool = False, where: str | None = None,
+              version: str | None = None) -> str | None:
+        """None when every token is an allowed spelling or that flag's valid value, known to the
+        engine `version` the plan will run (None: the newest the app ships); else the first
         problem: `argument not allowed: FLAG (in WHERE): why` or `value not allowed for FLAG …: why`."""
-        found = self._problem(args, allow_remote_code)
+        found = self._problem(args, allow_remote_code, version)
         if found is None:
             return None
         head, why = found
         return f"{head} (in {where}): {why}" if where else f"{head}: {why}"
 
-    def _problem(self, args: Sequence[str], allow_remote_code: bool) -> tuple[str, str] | None:
+    def _problem(self, args: Sequence[str], allow_remote_code: bool, version: str | None) -> tuple[str, str] | None:
         i = 0
         while i < len(args):
             token = args[i]
@@ -307,6 +350,10 @@ class Allowlist:
             refused = f"argument not allowed: {spelling}"
             if flag.remote_code and spelling in flag.spellings and not allow_remote_code:
                 return refused, "it runs code from the model's repository; allow remote code in settings to accept it"
+            if (added := flag.since.get(spelling)) is not None and too_old(version, added):
+                older = flag.older_spelling(spelling)
+                instead = f"; write {older}" if older else ""
+                return refused, f"{self._newer(added, version)}{instead}"
             kind = flag.value
             if isinstance(kind, Switch):
                 if equals:
@@ -323,6 +370,20 @@ class Allowlist:
                 return f"value not allowed for {spelling}", f"{shown(value)} contains a newline or control character"
             if problem := kind.problem(value):
                 return f"value not allowed for {spelling}", problem
+            if isinstance(kind, Choice) and (newer := self._newer_value(kind, value, version)):
+                return f"value not allowed for {spelling}", newer
+        return None
+
+    def _newer(self, added: Version, version: str | None) -> str:
+        running = version or ""
+        named = running if _PLAIN_VERSION.fullmatch(running) else shown(running)
+        return f"it came in {self.engine} {shown_version(added)}, and this computer runs {self.engine} {named}"
+
+    def _newer_value(self, kind: Choice, value: str, version: str | None) -> str | None:
+        """Why a valid value of `kind` is one the engine at `version` lacks, or None."""
+        for word in value.split(",") if kind.many else [value]:
+            if (added := kind.since.get(word)) is not None and too_old(version, added):
+                return f"{shown(word)}: {self._newer(added, version)}"
         return None
 
     def _unknown(self, token: str, spelling: str) -> tuple[str, str]:
@@ -382,5 +443,6 @@ class Allowlist:
                 spellings += f" (also `{flag.name}=VALUE`)"
             value = flag.value.describe().replace("|", "\\|")
             notes = flag.purpose + (" Only where remote code is allowed in settings." if flag.remote_code else "")
+            notes += flag.version_notes()
             rows.append(f"| `{flag.name}` | {spellings} | {value} | {notes} |")
         return "\n".join(rows) + "\n"

@@ -255,6 +255,38 @@ def test_markdown_has_one_row_per_flag_with_every_spelling() -> None:
     assert "| `--size` | `--size`, `-s` (also `--size=VALUE`) | a whole number from 1 to 100 or auto | a size |" in lines
 
 
+VERSIONED = Allowlist("Eng", (
+    AllowedFlag(("--eager",), Switch(), "eager", negations=("--disable-eager", "--no-eager"),
+                since={"--disable-eager": (0, 33)}),
+    AllowedFlag(("--kinds",), Choice(("a", "b", "c"), many=True, since={"c": (0, 33)}), "kinds", equals=True),
+))
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.33", "1.0.0", "0.34.1+cpu", "v0.33.2", None])
+def test_a_spelling_or_value_that_came_in_a_version_passes_from_that_version(version: str | None) -> None:
+    for args in (["--disable-eager"], ["--kinds", "a,c"], ["--kinds=c"]):
+        assert VERSIONED.check(args, version=version) is None, (args, version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0+cpu", "0.9.2", "0.32", "nightly", ""])
+def test_a_spelling_or_value_newer_than_the_engine_the_plan_runs_is_refused_with_the_reason(version: str) -> None:
+    """Compared part by part (0.9 is older than 0.33); a version that is no number knows none of them."""
+    assert VERSIONED.check(["--disable-eager"], version=version, where="base_args") == (
+        f"argument not allowed: --disable-eager (in base_args): it came in Eng 0.33, and this computer runs Eng "
+        f"{version or repr('')}; write --no-eager")
+    assert VERSIONED.check(["--kinds", "a,c"], version=version) == (
+        f"value not allowed for --kinds: 'c': it came in Eng 0.33, and this computer runs Eng {version or repr('')}")
+    assert VERSIONED.check(["--no-eager", "--eager", "--kinds=a,b"], version=version) is None  # the rest passes
+
+
+def test_a_version_is_quoted_safely_and_the_docs_say_what_needs_a_newer_one() -> None:
+    refused = VERSIONED.check(["--disable-eager"], version="0.1\n" + "x" * 200)
+    assert refused is not None and "\n" not in refused and len(refused) < 250
+    lines = VERSIONED.markdown().splitlines()
+    assert lines[2].endswith("| eager `--disable-eager`: 0.33 and later. |")
+    assert lines[3].endswith("| kinds `c`: 0.33 and later. |")
+
+
 def test_a_table_cannot_list_a_spelling_twice_or_negate_a_valued_flag() -> None:
     with pytest.raises(ValueError, match="-s is listed twice"):
         Allowlist("x", (AllowedFlag(("-s",), Switch(), ""), AllowedFlag(("--size", "-s"), IntValue(1, 2), "")))

