@@ -1,7 +1,8 @@
 """Local mode's model rules: which `assign` a person's `--model` becomes, and how large it is.
 
 llama.cpp serves a GGUF file (a path, or an https URL with its sha256); vLLM serves a model
-folder or a Hugging Face repository, on the runtimes that have it. The size is measured on
+folder or a Hugging Face repository, on the runtimes that have it (on `cpu`, its CPU build: where
+it is not installed, the plan refuses the folder and says a GGUF file is needed). The size is measured on
 disk for a local path and estimated from the name otherwise; the plan needs it up front.
 """
 
@@ -19,7 +20,7 @@ DEFAULT_LOCAL_MODEL = (
 )
 DEFAULT_LOCAL_MODEL_MIB = 470
 LOCAL_ASSIGNMENT_ID = "local-1"
-VLLM_RUNTIMES = frozenset({"native", "wsl2"})
+VLLM_RUNTIMES = frozenset({"native", "wsl2", "cpu"})  # as vLLM's adapter: its CPU build on `cpu`
 _LLAMACPP_ARGS = ["--ctx-size", "4096"]
 _LLAMACPP_TIERS = {"8000": ["--ctx-size", "8192"], "16000": ["--ctx-size", "16384"]}
 _VLLM_ARGS = ["--max-model-len", "8192"]

@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.worker.engines.test_vllm_cpu import cpu_machine
+from worker.config import Settings
+from worker.engines.vllm.planning import NO_CPU_BUILD
 from worker.localnet import DEFAULT_LOCAL_MODEL, LocalModelError, local_assignment
+from worker.plan import Plan, Refusal, plan
 
 
 def test_local_assignment_for_a_gguf_file_uses_llamacpp_and_its_size(tmp_path: Path) -> None:
@@ -25,6 +29,18 @@ def test_local_assignment_of_a_model_folder_counts_only_weights(tmp_path: Path) 
     assign = local_assignment("native", str(tmp_path))
     block = assign.model.for_engine("vllm")
     assert block is not None and block.weights_mib == 2
+
+
+def test_a_model_folder_on_a_cpu_machine_runs_on_vllms_cpu_build_where_it_is_installed(tmp_path: Path) -> None:
+    """`gpu-provider run --coordinator local --model FOLDER` on a machine with no graphics card:
+    vLLM's CPU build serves it; without that build the plan says a GGUF file is needed."""
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * (2 * 2**20))
+    assign = local_assignment("cpu", str(tmp_path))
+    assert assign.model.for_engine("llamacpp") is None and assign.model.for_engine("vllm") is not None
+    chosen = plan(cpu_machine(), assign, Settings())
+    assert isinstance(chosen, Plan) and chosen.engine == "vllm" and chosen.engines[0].gpu_indices == ()
+    refused = plan(cpu_machine(None), assign, Settings())
+    assert isinstance(refused, Refusal) and refused.reason == NO_CPU_BUILD and "llama.cpp" in refused.reason
 
 
 def test_local_assignment_default_is_a_small_instruct_gguf() -> None:
@@ -56,7 +72,8 @@ def test_local_assignment_for_a_repo_estimates_from_its_name() -> None:
 
 
 @pytest.mark.parametrize("runtime, model, fragment", [
-    ("cpu", "Qwen/Qwen2.5-7B-Instruct", "llama.cpp only"),
+    ("windows", "Qwen/Qwen2.5-7B-Instruct", "llama.cpp only"),
+    ("apple-silicon", "Qwen/Qwen2.5-7B-Instruct", "llama.cpp only"),
     ("native", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "name one file"),
     ("native", "org/mystery-model", "can't tell how large"),
     ("cpu", "ftp://example.org/m.gguf", "only https://"),
