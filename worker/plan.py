@@ -13,7 +13,7 @@ Pure: the rules of the protocol's Assignment section, applied to a `Machine`.
   allowlist (`worker/engines/<engine>/args.py`), with a value of its type, and known to the engine
   version the plan will run (a spelling or value the table says came later is refused: vLLM's CPU
   build is 0.32), before anything else is decided; then the engine version must be one the app
-  ships, and the source one it may load. The app-owned flags are appended last by the engine
+  ships for this machine's runtime, and the source one it may load. The app-owned flags are appended last by the engine
   adapter, and nothing ever goes through a shell.
 - Memory cap: a `--gpu-memory-utilization` (or `--device-memory-utilization`) in the assignment
   leaves the args and becomes `EnginePlan.memory_cap` (the last one wins); fit and tier are then
@@ -208,7 +208,7 @@ def _plan(
     engine = adapter.NAME
     problem = check_args(engine_model, adapter.ALLOWED_ARGS, allow_remote_code=settings.allow_remote_code,
                          version=running_version(machine, engine, engine_model))
-    problem = problem or version_problem(engine, engine_model.engine_version)
+    problem = problem or version_problem(engine, engine_model.engine_version, runtime=machine.runtime)
     if problem:
         return Refusal(problem)
     try:

@@ -518,7 +518,7 @@ def test_sizes_are_checked_first_and_in_every_engine_block():
 def test_a_failure_inside_planning_is_a_refusal_that_names_it(monkeypatch, caplog):
     """Fault injection: whatever a step raises reaches the coordinator as a reason, never as a
     dead task (a 5,000-deep JSON value once raised RecursionError out of `plan`)."""
-    def broken(engine: str, version: str | None) -> str | None:
+    def broken(engine: str, version: str | None, runtime: str | None = None) -> str | None:
         raise RecursionError("maximum recursion depth exceeded")
 
     monkeypatch.setattr("worker.plan.version_problem", broken)

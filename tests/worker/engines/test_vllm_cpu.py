@@ -93,12 +93,18 @@ def test_the_cpu_build_is_not_given_what_only_0_33_parses(args: list[str], refus
     block = {**FOLDER, "base_args": [*FOLDER["base_args"], *args]}  # type: ignore[list-item]
     chosen = plan(cpu_machine(), assign(vllm=block), Settings())
     assert isinstance(chosen, Refusal) and chosen.reason.startswith(refused)
-    on_0_33 = plan(cpu_machine(), assign(vllm={**block, "engine_version": "0.33.0"}), Settings())
-    assert not (isinstance(on_0_33, Refusal) and "came in" in on_0_33.reason)
     gpu = plan(replay("rtx4090.json"), assign(vllm=block), Settings())
     assert isinstance(gpu, Plan), gpu  # no vLLM installed there: the app installs the newest it ships
+    gpu = plan(replay("rtx4090.json"), assign(vllm={**block, "engine_version": "0.33.0"}), Settings())
+    assert isinstance(gpu, Plan), gpu
     older = {**FOLDER, "base_args": [*FOLDER["base_args"], "--no-enable-chunked-prefill", "--kv-cache-dtype", "auto"]}
     assert isinstance(plan(cpu_machine(), assign(vllm=older), Settings()), Plan)
+
+
+def test_a_vllm_release_for_gpus_is_refused_on_a_cpu_machine_before_anything_starts() -> None:
+    refused = plan(cpu_machine(), assign(vllm={**FOLDER, "engine_version": "0.33.0"}), Settings())
+    assert isinstance(refused, Refusal) and "needs an NVIDIA GPU" in refused.reason
+    assert isinstance(plan(cpu_machine(), assign(vllm={**FOLDER, "engine_version": "0.32.0"}), Settings()), Plan)
 
 
 def test_llama_cpp_comes_first_on_cpu_where_the_model_has_both() -> None:
