@@ -218,7 +218,7 @@ def pip_step(line: str) -> str | None:
     verb, rest = match.groups()
     if verb.startswith("Installing"):
         return f"installing {len(rest.split(','))} packages"
-    return f"{verb.lower()} {rest.split(' ')[0]}"
+    return f"{verb.lower()} {PurePath(rest.split(' ')[0]).name or rest}"  # a wheel folder's path: the file alone
 
 
 def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:

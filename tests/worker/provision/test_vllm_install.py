@@ -149,6 +149,8 @@ def test_missing_wsl_guides_the_person_to_install_it() -> None:
             "  Downloading torch-2.14.0-cp311-manylinux.whl (900.1 MB)",
             "downloading torch-2.14.0-cp311-manylinux.whl",
         ),
+        ("Processing /tmp/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+         "processing torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"),
         ("Installing collected packages: a, b, vllm", "installing 3 packages"),
         ("Successfully installed vllm-0.33.0", "installed"),
         ("Requirement already satisfied: pip", None),
