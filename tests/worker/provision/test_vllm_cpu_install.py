@@ -198,6 +198,7 @@ async def test_the_cpu_build_installed_by_real_pip_runs_and_detection_reads_its_
 
     again: list[DownloadProgress] = []
     assert await ensure_engine("vllm", "0.32.0", paths, again.append, runtime="cpu", use_wsl=False) == install
+    assert await ensure_engine("vllm", None, paths, again.append, runtime="cpu", use_wsl=False) == install
     assert again == []  # found installed: nothing runs again
 
 
