@@ -33,6 +33,9 @@ class _Cause:
 
 
 _MEMORY = _Cause("Not enough GPU memory for this model", "{engine} ran out of GPU memory.", _CLOSE_GPU_PROGRAMS)
+_RAM_HELD = _Cause("Other programs are using the computer's memory",
+                   "{engine} needs memory (RAM) that other programs hold.",
+                   "Close programs you are not using; the model starts once the memory is free")
 _BY_KIND: dict[str, _Cause] = {
     "oom": _MEMORY,
     "context": _Cause("Not enough GPU memory for this model's chats",
@@ -88,6 +91,8 @@ def engine_problem(engine: str, ended: Ended, *, gave_up: bool, retry_at: float 
 
 
 def _cause(ended: Ended, lines: tuple[str, ...]) -> _Cause:
+    if ended.kind == "free_memory" and ended.in_ram:
+        return _RAM_HELD  # vLLM's CPU build: the RAM other programs hold, not a card's memory
     if ended.kind in ("crashed", "unhealthy", "timeout"):
         for pattern, cause in _BY_LINE:
             if any(pattern.search(line) for line in lines):

@@ -107,6 +107,15 @@ def test_another_program_holding_the_memory_waits_by_itself() -> None:
     assert "GPU memory utilization" not in shown(problem)
 
 
+def test_the_cpu_build_waiting_for_ram_speaks_of_the_computers_memory_not_a_gpu() -> None:
+    """vLLM's CPU build refuses when its share of RAM is not free: nothing about a GPU applies."""
+    ended = Ended("free_memory", "ValueError: Available memory on node 0 (6.9/8.71 GiB) on startup is less than "
+                                 "desired CPU memory utilization (0.92, 8.02 GiB).", 0.5, False, in_ram=True)
+    problem = engine_problem("vllm", ended, gave_up=False, retry_at=99.0)
+    assert problem.title == "Other programs are using the computer's memory" and problem.retry_at == 99.0
+    assert "GPU" not in shown(problem) and "memory (RAM)" in problem.message
+
+
 # --- provisioning ------------------------------------------------------------------------------
 
 
