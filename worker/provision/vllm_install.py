@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath, PurePosixPath
 
 from worker.events import DownloadProgress, Problem
-from worker.provision.errors import ProvisionError
+from worker.provision.errors import ProvisionError, human_bytes
 from worker.provision.progress import ProgressCallback
 from worker.provision.releases import VllmBuild
 
@@ -298,6 +298,9 @@ async def install_vllm(
 ) -> None:
     """Make the venv and pip-install `build` into it; a failed attempt leaves nothing that looks installed."""
     reporter = StepReporter(f"engine vllm {build.installed_version}", on_progress, clock)
+    if (problem := _disk_problem(place, build)) is not None:
+        reporter.fail(problem.message)
+        raise ProvisionError(problem)
     if build.local == "cpu":
         installs = cpu_install_steps(place, build, index_url=index_url, find_links=find_links)
     else:
@@ -317,6 +320,24 @@ async def install_vllm(
         reporter.step(description, force=True)
         await _run_step(place, argv, build, reporter)
     reporter.finish()
+
+
+def _disk_problem(place: VenvPlace, build: VllmBuild) -> Problem | None:
+    """Too little free disk for the install, checked before pip fills the disk half way (inside
+    WSL2 the disk is the distro's, which pip's own failure reports)."""
+    if build.disk_mib is None or place.wsl:
+        return None
+    folder = Path(place.folder)
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    free, need = shutil.disk_usage(existing).free, build.disk_mib * 2**20
+    if free >= need:
+        return None
+    return Problem(
+        "Not enough disk space",
+        f"Installing {build.label} needs {human_bytes(need)} free in {existing}, but only {human_bytes(free)} is "
+        f"free. Free up {human_bytes(need - free)} more on that disk, then resume the app.",
+        action="free_disk",
+    )
 
 
 async def _run_step(place: VenvPlace, argv: list[str], build: VllmBuild, reporter: StepReporter) -> None:

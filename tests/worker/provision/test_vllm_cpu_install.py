@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,7 +24,7 @@ from worker.events import DownloadProgress
 from worker.hardware.installed import find_engines, find_vllm, run_for_version
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError
-from worker.provision.releases import SHIPPED, version_problem
+from worker.provision.releases import SHIPPED, Releases, version_problem
 from worker.provision.vllm_install import MARKER, VenvPlace, cpu_install_steps, host_place
 
 CPU = SHIPPED.vllm_build("0.32.0", "cpu")
@@ -84,6 +87,23 @@ async def test_the_gpu_build_on_a_cpu_machine_is_refused_before_anything_is_made
     assert failure.value.problem.title == "Engine version not allowed"
     assert "ask the network for vLLM 0.32.0 (CPU build)" in failure.value.problem.message
     assert progress == [] and not paths.engines_dir.exists()
+
+
+async def test_too_little_disk_for_the_cpu_build_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    assert CPU is not None and CPU.disk_mib == 4608
+    free_mib = shutil.disk_usage(tmp_path).free // 2**20
+    bigger = Releases((dataclasses.replace(CPU, disk_mib=free_mib + 100 * 1024),), SHIPPED.llamacpp)
+    paths = Paths.under(tmp_path / "app")
+    progress: list[DownloadProgress] = []
+
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine("vllm", None, paths, progress.append, runtime="cpu", use_wsl=False, releases=bigger)
+
+    problem = failure.value.problem
+    assert problem.title == "Not enough disk space" and problem.action == "free_disk"
+    assert problem.message.startswith(f"Installing vLLM 0.32.0 (CPU build) needs {free_mib / 1024 + 100:.1f} GiB free in ")
+    assert re.search(r"Free up (99\.\d|100\.\d) GiB more on that disk, then resume the app\.$", problem.message)
+    assert progress[-1].error == problem.message and not paths.engines_dir.exists()
 
 
 # --- the command lines -------------------------------------------------------------------------
