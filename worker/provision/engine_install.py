@@ -83,8 +83,9 @@ async def ensure_engine(
     engines this app has an installer for (an engine without one runs from `--engine-bin`). vLLM:
     the build for the machine's `runtime` (its CPU build on `cpu`; None: the build of the version
     named, else the GPU build's default), `index_url`/`find_links` choose where pip looks (a folder
-    of wheels offline), and on Windows (`use_wsl` None means "when on Windows") it goes inside WSL2. llama.cpp: the pinned release
-    assets for this platform and `accelerator`, downloaded with `downloader` (one is made if not given).
+    of wheels offline), and on Windows (`use_wsl` None means "when on Windows") it goes inside
+    WSL2. llama.cpp: the pinned release assets for this platform and `accelerator`, downloaded
+    with `downloader` (one is made if not given).
     """
     problem = version_problem(engine, version, releases, runtime)
     if problem is not None:
@@ -92,7 +93,9 @@ async def ensure_engine(
     if engine == "vllm":
         wsl = os.name == "nt" if use_wsl is None else use_wsl
         build = _vllm_build(version, runtime, paths.engines_dir, wsl, releases)
-        return await _ensure_vllm(build, paths, on_progress, index_url, find_links, cuda_driver, python, wsl, wsl_distro)
+        return await _ensure_vllm(
+            build, paths, on_progress, index_url, find_links, cuda_driver, python, wsl, wsl_distro
+        )
     if engine == "llamacpp":
         return await _ensure_llamacpp(
             version, paths, on_progress, accelerator, cuda_driver, downloader, release_api, releases
