@@ -24,6 +24,7 @@ from worker.provision.engine_install import accelerator_of, cuda_version, ensure
 from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.provision.progress import ProgressCallback
+from worker.provision.releases import SHIPPED
 from worker.restart_policy import RestartBackoff
 
 OFFLINE_BACKOFF = RestartBackoff(initial_s=15.0, maximum_s=600.0)  # 15 s doubling to 10 min
@@ -84,7 +85,7 @@ async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_p
     if given:
         return (given,), library_env(Path(given).parent)
     found = machine.engines.get(engine)
-    if found and found.path and (wanted is None or found.version == wanted):
+    if found and found.path and (wanted is None or _same_release(found.version, wanted)):
         return current.engines[0].executable, {}
     install = await ensure_engine(
         engine,
@@ -93,8 +94,14 @@ async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_p
         on_progress,
         accelerator=accelerator_of(machine),
         cuda_driver=cuda_version(machine.cuda_version),
+        runtime=machine.runtime,  # vLLM: its CPU build on a machine without a usable GPU
     )
     return install.executable, library_env(install.library_dir) if install.library_dir else {}
+
+
+def _same_release(found: str | None, wanted: str) -> bool:
+    """`0.32.0+cpu` found is the `0.32.0` asked for: the build tag says which runtime, not which release."""
+    return found is not None and SHIPPED.release_version(found) == SHIPPED.release_version(wanted)
 
 
 class OfflineRetry:
