@@ -13,7 +13,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QPlainTextEdit, QPushButton, 
 
 from app.format import retry_words
 from app.widgets import Values
-from worker.events import Problem
+from worker.contract.events import Problem
 
 ACTION_BUTTONS = {
     "retry": "Retry",

@@ -15,14 +15,14 @@ from typing import Protocol
 
 from PySide6.QtCore import QObject, Signal
 
-from worker.config import Settings
-from worker.events import NodeSnapshot, Problem
+from worker.system.config import Settings
+from worker.contract.events import NodeSnapshot, Problem
 
 TOMORROW_HOUR = 6  # "until tomorrow" means tomorrow morning, not midnight tonight
 
 
 class NodeLike(Protocol):
-    """The Node surface the app uses (worker/node.py, or a scripted stand-in in tests)."""
+    """The Node surface the app uses (worker/node/node.py, or a scripted stand-in in tests)."""
 
     async def run(self) -> None: ...
 

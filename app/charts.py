@@ -15,7 +15,7 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 from app import theme
 from app.format import money
 from app.widgets import Reflow
-from worker.events import DayEarnings
+from worker.contract.events import DayEarnings
 
 History = Callable[[str, float], list[tuple[float, float]]]  # (series, window_s) -> [(t, value)]
 

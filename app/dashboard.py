@@ -43,8 +43,8 @@ from app.format import (
 )
 from app.gpu_panel import GpuPanel
 from app.widgets import PILL_HEIGHT, Reflow, Values, card, pill_style, set_dimmed, sync_rows
-from worker.config import LocalEndpoint
-from worker.events import DownloadProgress, NodeSnapshot, Problem
+from worker.system.config import LocalEndpoint
+from worker.contract.events import DownloadProgress, NodeSnapshot, Problem
 
 NARROW_PX = 900  # below this width, rows of cards stack into one column
 

@@ -9,7 +9,7 @@ from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QPushBut
 from app.charts import EarningsChart
 from app.format import money
 from app.widgets import Values, caption
-from worker.events import EarningsSnapshot
+from worker.contract.events import EarningsSnapshot
 
 PERIODS = {"today": "Today", "week": "This week", "all_time": "All time"}
 EMPTY = "No earnings yet — they appear after your first served request."

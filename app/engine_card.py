@@ -27,7 +27,7 @@ from app.format import (
 )
 from app.widgets import PILL_HEIGHT, Values, caption, pill_style
 from worker.engines import registry
-from worker.events import EngineSnapshot
+from worker.contract.events import EngineSnapshot
 
 ENGINE_COLOURS = {
     "ready": STATE_COLOURS["serving"],

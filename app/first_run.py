@@ -24,9 +24,11 @@ from PySide6.QtWidgets import (
 from app.bridge import Bridge
 from app.settings import GpuChoice, PriceField
 from app.signin import TokenForm, account_link
-from worker import autostart, networks, secrets
-from worker.config import Paths, Settings, save_settings
-from worker.networks import Network
+from worker.system import autostart
+from worker.system import networks
+from worker.system import secrets
+from worker.system.config import Paths, Settings, save_settings
+from worker.system.networks import Network
 
 NETWORK, SIGN_IN, PRICE, GPUS, HABITS = range(5)
 

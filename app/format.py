@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from worker.events import EngineSnapshot, GpuSnapshot, NodeSnapshot, PauseReason
+from worker.contract.events import EngineSnapshot, GpuSnapshot, NodeSnapshot, PauseReason
 
 TrayState = Literal["idle", "starting", "serving", "paused", "degraded", "failed"]
 

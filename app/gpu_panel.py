@@ -7,7 +7,7 @@ from PySide6.QtWidgets import QFrame, QGridLayout, QProgressBar, QVBoxLayout, QW
 
 from app.format import gib, groups_words, number
 from app.widgets import Values, card, sync_rows
-from worker.events import GpuSnapshot, NodeSnapshot
+from worker.contract.events import GpuSnapshot, NodeSnapshot
 
 
 class GpuRow(QWidget):

@@ -3,7 +3,7 @@ command line asks for it and it can open here, the core's command line otherwise
 
 The core (`worker/`) never imports the GUI, so the choice is made here, outside it. The app
 opens when PySide6 is installed and there is a display; anywhere else (a server, an SSH
-session, an install without the `gui` extra) `worker.cli.main` runs, and says what to do.
+session, an install without the `gui` extra) `worker.node.cli.main` runs, and says what to do.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from worker import cli
+from worker.node import cli
 
 GUI_MODULES = ("PySide6", "pyqtgraph")  # the `gui` extra
 DISPLAY_VARIABLES = ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")

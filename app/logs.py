@@ -24,8 +24,8 @@ from PySide6.QtWidgets import (
 import worker
 from app.bridge import Bridge
 from app.format import machine_summary
-from worker import secrets
-from worker.events import NodeSnapshot
+from worker.system import secrets
+from worker.contract.events import NodeSnapshot
 
 TAIL_BYTES = 2 * 2**20  # a log can grow large; the window shows its end
 DIAGNOSTIC_LINES = 80

@@ -5,7 +5,7 @@ A new install opens the first-run flow (app/first_run.py) beside the dashboard, 
 whole app: the core detects the machine meanwhile, and Quit, SIGTERM and `--quit-after` work as
 always. A set-up app without a token for a real network offers sign-in instead.
 
-The data folder's lock (worker/datalock.py, held by the core) decides who runs; a local socket
+The data folder's lock (worker/system/datalock.py, held by the core) decides who runs; a local socket
 named after the owner's pid only brings its window forward. Named per process, an updated
 version's socket never collides with the one of the version it replaces, which keeps its own
 until it exits (or serves on after a rollback).
@@ -38,9 +38,12 @@ from app.logs import LogsWindow, redact_token
 from app.settings import SettingsDialog
 from app.signin import SignInDialog
 from app.tray import Tray
-from worker import applog, autostart, networks, secrets
-from worker.config import DataFolderUnsafe, Paths, Settings, load_settings, read_local_endpoint
-from worker.datalock import DataFolderLock, Owner, in_use_message
+from worker.system import applog
+from worker.system import autostart
+from worker.system import networks
+from worker.system import secrets
+from worker.system.config import DataFolderUnsafe, Paths, Settings, load_settings, read_local_endpoint
+from worker.system.datalock import DataFolderLock, Owner, in_use_message
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ SHOW_MESSAGE = b"show\n"
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The node's options (shared with `gpu-provider run`) plus the window's own."""
-    from worker.cli import InputError, desktop_options, node_options, parse_engine_bins
+    from worker.node.cli import InputError, desktop_options, node_options, parse_engine_bins
 
     parser = argparse.ArgumentParser(
         prog="gpu-provider", description="GPU Provider desktop app", parents=[node_options(), desktop_options()]
@@ -343,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         applog.configure(paths, console=False, verbose=args.verbose)
     except DataFolderUnsafe as exc:  # someone else's folder, or a planted link: nothing written through it
         return tell_and_end(str(exc), QMessageBox.Icon.Critical, args.quit_after)
-    from worker.node import Node  # loaded once this is known to be the only instance
+    from worker.node.node import Node  # loaded once this is known to be the only instance
 
     settings = load_settings(paths)
     node = Node(

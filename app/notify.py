@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.format import clock_time, tray_state
-from worker.events import NodeSnapshot
+from worker.contract.events import NodeSnapshot
 
 MESSAGE_LIMIT = 120  # characters: what a desktop notification shows without cutting it off
 FALLBACK_FAILURE = "Serving stopped and could not be restarted. Open the dashboard to see why."

@@ -31,10 +31,12 @@ from PySide6.QtWidgets import (
 from app.bridge import Bridge
 from app.format import CPU_ONLY, FINDING_GPUS, gpu_line
 from app.signin import SignInDialog
-from worker import autostart, networks, secrets
-from worker.config import Paths, Settings, save_settings
-from worker.events import NodeSnapshot
-from worker.networks import Network
+from worker.system import autostart
+from worker.system import networks
+from worker.system import secrets
+from worker.system.config import Paths, Settings, save_settings
+from worker.contract.events import NodeSnapshot
+from worker.system.networks import Network
 
 UPDATE_CHANNELS = ("stable", "beta")
 LEND_ONE = "Lend at least one GPU (to stop serving, pause instead)."

@@ -1,6 +1,6 @@
 """Signing in: show what this machine is, then take the provider token from the network's account page.
 
-The token goes to the system keyring through `worker.secrets`. Where no secure keyring exists the
+The token goes to the system keyring through `worker.system.secrets`. Where no secure keyring exists the
 form says so and asks before anything else: the only fallbacks are this session's memory or the
 person setting `GPU_PROVIDER_TOKEN` themselves; it is never written to a file. `TokenForm` holds
 these rules once, for this dialog and the first-run flow alike.
@@ -29,9 +29,9 @@ from PySide6.QtWidgets import (
 
 from app.bridge import Bridge
 from app.format import machine_summary
-from worker import secrets
-from worker.events import NodeSnapshot
-from worker.networks import Network
+from worker.system import secrets
+from worker.contract.events import NodeSnapshot
+from worker.system.networks import Network
 
 TOKEN_ENV = secrets.ENV_VAR
 
@@ -117,7 +117,7 @@ class TokenForm(QWidget):
         return True
 
     def use_for_session(self) -> None:
-        """Keep the token in this process's memory only; `worker.secrets` reads it from there."""
+        """Keep the token in this process's memory only; `worker.system.secrets` reads it from there."""
         os.environ[TOKEN_ENV] = self.token.text().strip()
         self.outcome = "session"
         self.kept.emit(self.outcome)

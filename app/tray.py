@@ -16,7 +16,7 @@ from app.bridge import Bridge, seconds_until_tomorrow
 from app.format import money, rate, status_line, tray_state
 from app.icons import state_icon
 from app.notify import Notification, Notifier, short_sentence
-from worker.events import EngineSnapshot, NodeSnapshot, Problem
+from worker.contract.events import EngineSnapshot, NodeSnapshot, Problem
 
 # (label while serving, label while paused, seconds): while paused they add to the pause
 TIMED_PAUSES = (("Pause for 15 min", "Pause for 15 more min", 15 * 60),

@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 from bench.report import Figure, at_most
-from worker import protocol
-from worker.config import Settings
+from worker.contract import protocol
+from worker.system.config import Settings
 
 SECTION = "detect+plan"
 TARGET_S = 0.5
@@ -25,7 +25,7 @@ ASSIGN = protocol.Assign.model_validate({"assignment_id": "bench-1", "model": {
 
 def _detect_and_plan() -> float:
     from worker.hardware import detect
-    from worker.plan import plan
+    from worker.plan.planner import plan
 
     started = time.perf_counter()
     settings = Settings()

@@ -4,7 +4,7 @@ For a machine with an NVIDIA GPU. Detects with NVML, plans the given assignment,
 in place (`ensure_model`, so a local folder or a download), starts the first planned engine with
 the app's supervisor (the app's argv, tier, environment, readiness), then streams one answer and
 reads single-stream decode tok/s = (tokens − 1) ÷ (last token − first token). The ceiling is
-memory bandwidth ÷ weight bytes (one full weight read per token; `worker.measure.roofline`).
+memory bandwidth ÷ weight bytes (one full weight read per token; `worker.measure.runs.roofline`).
 The reading is printed and written to `bench/results/gpu-decode.json`.
 
     python -m bench.gpu_decode --assignment assign.json [--engine-bin vllm=/opt/vllm/bin/vllm]
@@ -25,16 +25,16 @@ from typing import Any
 import httpx
 
 from bench.report import RESULTS, machine_description
-from worker import protocol
-from worker.cli import parse_engine_bins
-from worker.config import Paths, Settings, load_settings
+from worker.contract import protocol
+from worker.node.cli import parse_engine_bins
+from worker.system.config import Paths, Settings, load_settings
 from worker.hardware import Machine, detect
-from worker.measure import roofline
-from worker.plan import EnginePlan, Refusal, plan
+from worker.measure.runs import roofline
+from worker.plan.planner import EnginePlan, Refusal, plan
 from worker.provision.models import ensure_model
-from worker.restart_policy import SupervisorTiming
-from worker.relay import EngineTarget
-from worker.supervise import EngineSupervisor
+from worker.serve.restart_policy import SupervisorTiming
+from worker.relay.forward import EngineTarget
+from worker.serve.supervisor import EngineSupervisor
 
 OUT = RESULTS.parent / "gpu-decode.json"
 DRY_RUN_OUT = RESULTS.parent / "gpu-decode-dry-run.json"  # a --hardware run never passes for a reading

@@ -31,8 +31,9 @@ from bench.report import Figure, at_most, cpu_percent, not_measured
 from tests.support.desktop import Desktop, missing_packages, real_desktop
 from tests.support.engines import VLLM_STANDIN
 from tests.support.processes import terminate
-from worker import config, protocol
-from worker.localnet import ReferenceCoordinator
+from worker.system import config
+from worker.contract import protocol
+from worker.link.local import ReferenceCoordinator
 
 SECTION = "gui"
 TARGET_CPU_PCT = {"gui-shown": 0.5, "gui-hidden": 0.2, "headless": 0.2}

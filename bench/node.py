@@ -31,8 +31,8 @@ from bench.report import Figure, at_most, cpu_percent, not_measured
 from tests.support.engines import VLLM_STANDIN
 from tests.support.processes import terminate
 from tests.worker.hardware.recorded import replay
-from worker import protocol
-from worker.localnet import ReferenceCoordinator
+from worker.contract import protocol
+from worker.link.local import ReferenceCoordinator
 
 SECTION = "node"
 TOKEN = "bench-node-token"

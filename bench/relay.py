@@ -2,9 +2,9 @@
 
 Three processes: the stamped fake engine, the node side (`bench.relay_node`: Link ⇄ Relay ⇄
 engine client, pinned to one CPU), and this one, which is the load generator *and* the reference
-coordinator: it sends `request` frames from `worker.localnet.ReferenceCoordinator` over the real
+coordinator: it sends `request` frames from `worker.link.local.ReferenceCoordinator` over the real
 websocket and reads the `response.*` frames, as the coordinator's caller would. "Direct" is the
-same load sent from this process straight to the engine with `worker.loopback_http` (a client
+same load sent from this process straight to the engine with `worker.relay.loopback_http` (a client
 cheap enough that direct measures the engine, not the client).
 
 - Throughput: closed loop, C streams at once, each asking for `tokens` tokens, until about
@@ -42,10 +42,10 @@ from bench.relay_node import TOKEN
 from bench.report import Figure, at_least, at_most, info
 from bench.stamped_engine import API_KEY
 from tests.support.processes import terminate
-from worker import protocol
-from worker.localnet import ReferenceCoordinator
-from worker.loopback_http import LoopbackClient
-from worker.supervise import UNIX_SOCKETS
+from worker.contract import protocol
+from worker.link.local import ReferenceCoordinator
+from worker.relay.loopback_http import LoopbackClient
+from worker.serve.supervisor import UNIX_SOCKETS
 
 SECTION = "relay"
 TARGET_TOKENS_PER_S = 33_000

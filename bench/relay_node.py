@@ -1,9 +1,9 @@
 """The node side of the relay benchmark, in its own process: `Link` ⇄ `Relay` ⇄ engine.
 
-It wires the two exactly as `worker.node.Node` does (`relay.handle(request, link.sender())`,
+It wires the two exactly as `worker.node.node.Node` does (`relay.handle(request, link.sender())`,
 `cancel`, `cancel_all` on disconnect) with one fixed ready engine, and pins itself to the CPUs
 given, so that "on one core" is literal. With `--profile FILE` it runs under cProfile and writes
-the stats on SIGTERM. The relay reads the engine through its shipped client (`worker.loopback_http`).
+the stats on SIGTERM. The relay reads the engine through its shipped client (`worker.relay.loopback_http`).
 
 With `--held FILE` it also times its own part of each token's way, in one of every `HELD_SAMPLE`
 frames it writes: from the engine's stamp to the moment the frame is handed to the websocket's
@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 
-from worker import link as link_module
-from worker import protocol
-from worker.link import Backoff, Link
-from worker.outgoing import Outgoing, Write
-from worker.relay import EngineTarget, Relay, engine_http_client
+from worker.link import connection as link_module
+from worker.contract import protocol
+from worker.link.connection import Backoff, Link
+from worker.link.outgoing import Outgoing, Write
+from worker.relay.forward import EngineTarget, Relay, engine_http_client
 
 TOKEN = "bench-token"
 HELD_SAMPLE = 4  # one written frame in this many is timed

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from app.launch import main
 from worker import __version__
-from worker.config import Paths
+from worker.system.config import Paths
 from worker.update import run_installed_if_newer
 
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 # The app's own definition of what is signed, so the two can never differ.
-from worker.protocol import signed_update_payload
+from worker.contract.protocol import signed_update_payload
 
 
 def public_key_b64(key: Ed25519PrivateKey) -> str:

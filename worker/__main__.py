@@ -3,6 +3,6 @@ The desktop app opens from `gpu-provider` or `python -m app`; the core never imp
 
 from __future__ import annotations
 
-from worker.cli import main
+from worker.node.cli import main
 
 raise SystemExit(main())

@@ -60,7 +60,7 @@ Name: "{autoprograms}\{#AppName}"; Filename: "{app}\{#AppExe}"
 Name: "{autodesktop}\{#AppName}"; Filename: "{app}\{#AppExe}"; Tasks: desktopicon
 
 [Registry]
-; The same value worker/autostart.py writes ("gpu-provider" under HKCU\...\Run), so the app's
+; The same value worker/system/autostart.py writes ("gpu-provider" under HKCU\...\Run), so the app's
 ; "Start at login" setting and this checkbox agree. The packaged executable hands over to a
 ; self-updated version at start, so the value never needs to change with updates.
 Root: HKCU; Subkey: "Software\Microsoft\Windows\CurrentVersion\Run"; ValueType: string; ValueName: "gpu-provider"; ValueData: """{app}\{#AppExe}"" --minimized"; Flags: uninsdeletevalue; Tasks: autostart

@@ -12,9 +12,9 @@ from app import theme
 from app.bridge import Bridge
 from tests.app import snapshots
 from tests.app.scripted_node import ScriptedNode
-from worker.autostart import XdgAutostart
-from worker.config import Paths
-from worker.networks import Network
+from worker.system.autostart import XdgAutostart
+from worker.system.config import Paths
+from worker.system.networks import Network
 
 TOKEN = "gpt_live_3f9c2a7b1e5d4c8a"
 REAL = Network("Test Network", "wss://coordinator.example.net/v1/node", "https://example.net/account/tokens", "EUR")

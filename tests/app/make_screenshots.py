@@ -25,9 +25,9 @@ from app.icons import state_pixmap
 from app.tray import Tray
 from tests.app import snapshots
 from tests.app.scripted_node import ScriptedNode
-from worker import autostart
-from worker.config import Paths, Settings
-from worker.events import NodeSnapshot
+from worker.system import autostart
+from worker.system.config import Paths, Settings
+from worker.contract.events import NodeSnapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOTS = ROOT / "docs" / "screenshots"

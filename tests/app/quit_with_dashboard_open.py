@@ -17,7 +17,7 @@ from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 import app.main
 from tests.app import snapshots
 from tests.app.scripted_node import ScriptedNode
-from worker.config import Paths, Settings
+from worker.system.config import Paths, Settings
 
 
 def main() -> None:

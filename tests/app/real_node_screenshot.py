@@ -25,8 +25,8 @@ from app.core_thread import CoreThread
 from app.main import DesktopApp
 from tests.support.engines import ensure_llama_server, free_port
 from tests.support.tiny_gguf import write_tiny_gguf
-from worker.config import Paths, Settings, read_local_endpoint
-from worker.node import Node
+from worker.system.config import Paths, Settings, read_local_endpoint
+from worker.node.node import Node
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 GRAB_AFTER_S = 50.0

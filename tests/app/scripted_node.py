@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from worker.config import Settings
-from worker.events import NodeSnapshot
+from worker.system.config import Settings
+from worker.contract.events import NodeSnapshot
 
 
 class ScriptedNode:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import replace
 
-from worker.diagnosis import engine_problem, offline_problem
-from worker.events import (
+from worker.serve.diagnosis import engine_problem, offline_problem
+from worker.contract.events import (
     ConnectionSnapshot,
     ContextNumbers,
     DayEarnings,
@@ -19,7 +19,7 @@ from worker.events import (
     Problem,
     ThroughputSnapshot,
 )
-from worker.restart_policy import Ended
+from worker.serve.restart_policy import Ended
 
 NOW = 1_800_000_000.0
 MODEL = "Qwen/Qwen3-8B"

@@ -17,8 +17,8 @@ from app import charts, theme
 from app.dashboard import Dashboard
 from app.format import clock_time
 from tests.app import snapshots
-from worker.config import LocalEndpoint
-from worker.events import ConnectionSnapshot, DownloadProgress
+from worker.system.config import LocalEndpoint
+from worker.contract.events import ConnectionSnapshot, DownloadProgress
 
 JARGON = ("tier", "tensor", "Roofline", "runtime", "Groups [", "physical", "KV ", "pid", "Last error", "Traceback")
 

@@ -18,8 +18,9 @@ from app.signin import NO_KEYRING
 from tests.app import snapshots
 from tests.app.conftest import REAL, TOKEN
 from tests.app.scripted_node import ScriptedNode
-from worker import networks, secrets
-from worker.config import Settings, load_settings
+from worker.system import networks
+from worker.system import secrets
+from worker.system.config import Settings, load_settings
 
 CHOICES = (REAL, networks.LOCAL)
 

@@ -22,7 +22,7 @@ from app.format import (
 )
 from tests.app import snapshots
 from tests.app.test_dashboard import contrast
-from worker.events import ContextNumbers
+from worker.contract.events import ContextNumbers
 
 
 def test_context_in_chats_and_tokens() -> None:

@@ -7,7 +7,7 @@ from app.bridge import Bridge
 from app.logs import LogsWindow, matching_lines, read_tail, redact_token
 from tests.app import snapshots
 from tests.app.scripted_node import ScriptedNode
-from worker import secrets
+from worker.system import secrets
 
 TOKEN = "gpt_live_5b1d8e0c7a9f2e64"
 

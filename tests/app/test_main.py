@@ -14,10 +14,10 @@ from app.main import DesktopApp, ask_running_instance_to_show, instance_name, ma
 from tests.app import snapshots
 from tests.app.scripted_node import ScriptedNode
 from app.signin import SignInDialog
-from tests.worker.test_datalock import holder
-from worker import networks
-from worker.config import Paths, Settings
-from worker.datalock import DataFolderLock
+from tests.worker.system.test_datalock import holder
+from worker.system import networks
+from worker.system.config import Paths, Settings
+from worker.system.datalock import DataFolderLock
 
 
 def test_arguments():
@@ -206,7 +206,7 @@ def test_a_network_picked_in_settings_wins_over_the_command_line(qtbot, tmp_path
 
 
 class NoSecondCore:
-    """Stands in for worker.node.Node where a relaunch must not build one."""
+    """Stands in for worker.node.node.Node where a relaunch must not build one."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise AssertionError("a second core was started on a data folder that has an owner")
@@ -214,7 +214,7 @@ class NoSecondCore:
 
 def test_a_relaunch_while_the_owner_stops_starts_no_core_and_says_so(qapp, tmp_path, monkeypatch, capsys):
     """The first app releases nothing until its engines stopped; a relaunch meanwhile is told to wait."""
-    monkeypatch.setattr("worker.node.Node", NoSecondCore)
+    monkeypatch.setattr("worker.node.node.Node", NoSecondCore)
     owner = holder(tmp_path, "stopping")
     try:
         assert main(["--data-dir", str(tmp_path), "--quit-after", "0.2"]) == 1
@@ -225,7 +225,7 @@ def test_a_relaunch_while_the_owner_stops_starts_no_core_and_says_so(qapp, tmp_p
 
 
 def test_a_relaunch_beside_a_headless_owner_says_who_owns_the_folder(qapp, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("worker.node.Node", NoSecondCore)
+    monkeypatch.setattr("worker.node.node.Node", NoSecondCore)
     owner = holder(tmp_path)  # owns the folder, and has no window to bring forward
     try:
         assert main(["--data-dir", str(tmp_path), "--quit-after", "0.2"]) == 1
@@ -239,7 +239,7 @@ def test_a_relaunch_beside_a_headless_owner_says_who_owns_the_folder(qapp, tmp_p
 def test_a_data_folder_others_can_write_is_refused_in_words_and_no_core_starts(qapp, tmp_path, monkeypatch, capsys):
     """A world-writable data folder (anyone could plant links in it) ends the app with the reason
     shown, never a traceback; no core is built."""
-    monkeypatch.setattr("worker.node.Node", NoSecondCore)
+    monkeypatch.setattr("worker.node.node.Node", NoSecondCore)
     Paths.resolve(tmp_path).ensure()
     tmp_path.chmod(0o777)
     try:
@@ -251,7 +251,7 @@ def test_a_data_folder_others_can_write_is_refused_in_words_and_no_core_starts(q
 
 
 def test_a_relaunch_brings_a_running_desktop_owner_forward(qtbot, tmp_path, node, monkeypatch):
-    monkeypatch.setattr("worker.node.Node", NoSecondCore)
+    monkeypatch.setattr("worker.node.node.Node", NoSecondCore)
     paths = Paths.under(tmp_path).ensure()
     first = desktop(qtbot, node, tmp_path, tray=True)
     assert first.listen(instance_name(paths, os.getpid()))
@@ -330,7 +330,7 @@ def test_quit_keeps_the_app_up_saying_stopping_until_the_core_has_drained(qtbot,
 
 
 def test_a_quit_after_the_core_failed_ends_at_once(qtbot, tmp_path, node, monkeypatch):
-    from worker.events import Problem
+    from worker.contract.events import Problem
 
     app = desktop(qtbot, node, tmp_path, tray=True)
     ended: list[bool] = []

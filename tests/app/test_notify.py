@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from app.notify import MESSAGE_LIMIT, Notification, Notifier, new_notices, short_sentence
 from tests.app import snapshots
-from worker.events import NodeSnapshot, Problem
+from worker.contract.events import NodeSnapshot, Problem
 
 TRACEBACK = (
     "Traceback (most recent call last):\n  File \"/opt/vllm/engine.py\", line 812, in load\n"

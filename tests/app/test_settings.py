@@ -12,8 +12,9 @@ from app.signin import SignInDialog
 from tests.app import snapshots
 from tests.app.conftest import REAL, TOKEN
 from tests.app.scripted_node import ScriptedNode
-from worker import networks, secrets
-from worker.config import Settings, load_settings
+from worker.system import networks
+from worker.system import secrets
+from worker.system.config import Settings, load_settings
 
 
 

@@ -15,7 +15,7 @@ from app.signin import SignInDialog
 from tests.app import snapshots
 from tests.app.conftest import REAL, TOKEN
 from tests.app.scripted_node import ScriptedNode
-from worker import secrets
+from worker.system import secrets
 
 
 

@@ -8,7 +8,7 @@ import pytest
 from app.bridge import seconds_until_tomorrow
 from app.tray import Tray
 from tests.app import snapshots
-from worker.events import ConnectionSnapshot, EarningsSnapshot, NodeSnapshot, Problem, ThroughputSnapshot
+from worker.contract.events import ConnectionSnapshot, EarningsSnapshot, NodeSnapshot, Problem, ThroughputSnapshot
 
 NOW = snapshots.NOW
 PAUSES = ["Pause for 15 min", "Pause for 1 hour", "Pause until tomorrow"]

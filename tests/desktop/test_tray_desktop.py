@@ -25,8 +25,8 @@ import pytest
 
 from tests.support.desktop import Desktop, DesktopMissing, real_desktop, wait_until
 from tests.support.engines import LlamaServer, free_port
-from worker.config import Paths
-from worker.status import read_status
+from worker.system.config import Paths
+from worker.node.status import read_status
 
 ROOT = Path(__file__).resolve().parents[2]
 TITLE = "GPU Provider"  # the dashboard's title and the tray icon window's name

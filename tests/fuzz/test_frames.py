@@ -25,9 +25,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker import protocol
-from worker.link import Backoff, Link
-from worker.localnet import ReferenceCoordinator
+from worker.contract import protocol
+from worker.link.connection import Backoff, Link
+from worker.link.local import ReferenceCoordinator
 
 T = TypeVar("T")
 TOKEN = "fuzz-token"

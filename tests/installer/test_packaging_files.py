@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from worker import autostart
+from worker.system import autostart
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALLER = REPO / "installer"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import protocol
+from worker.contract import protocol
 from worker.update.verify import (
     UpdateRefused,
     load_public_key,

@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 
 from tests.support.fake_pynvml import FakeCard, FakeNvml, FakeProcess
-from worker.autopause import Action, AutoPauser, process_name
-from worker.config import Settings
-from worker.events import EngineSnapshot, NodeSnapshot
+from worker.node.autopause import Action, AutoPauser, process_name
+from worker.system.config import Settings
+from worker.contract.events import EngineSnapshot, NodeSnapshot
 from worker.hardware import PynvmlSource, gpu_processes
 
 GAME = "Cyberpunk2077.exe"

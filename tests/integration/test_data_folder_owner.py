@@ -22,10 +22,10 @@ import pytest
 
 from tests.integration.test_node import STATE_TIMEOUT_S, free_ports, hardware_file
 from tests.integration.test_node_headless import GPU_PROVIDER, until_ready
-from worker import procs
-from worker.config import DataFolderUnsafe, Paths, Settings, read_local_endpoint
-from worker.datalock import DataFolderInUse, DataFolderLock, Owner
-from worker.node import Node
+from worker.serve import process as procs
+from worker.system.config import DataFolderUnsafe, Paths, Settings, read_local_endpoint
+from worker.system.datalock import DataFolderInUse, DataFolderLock, Owner
+from worker.node.node import Node
 
 pytestmark = pytest.mark.integration
 

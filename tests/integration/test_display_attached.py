@@ -15,9 +15,9 @@ import pytest
 
 from tests.integration.test_node import model_folder, running_node, vllm, vllm_assign
 from tests.worker.hardware.recorded import replay
-from worker import protocol
-from worker.config import Settings
-from worker.plan import EnginePlan, Plan, plan
+from worker.contract import protocol
+from worker.system.config import Settings
+from worker.plan.planner import EnginePlan, Plan, plan
 
 pytestmark = pytest.mark.integration
 

@@ -29,11 +29,11 @@ from tests.integration.test_node import (
     vllm_assign,
 )
 from tests.support.fake_pynvml import FakeCard, FakeNvml, FakeProcess
-from worker.config import Paths, Settings
+from worker.system.config import Paths, Settings
 from worker.hardware import PynvmlSource
-from worker.link import Backoff
-from worker.localnet import ReferenceCoordinator
-from worker.node import Node
+from worker.link.connection import Backoff
+from worker.link.local import ReferenceCoordinator
+from worker.node.node import Node
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.ledger import Ledger
-from worker.protocol import Price
+from worker.measure.ledger import Ledger
+from worker.contract.protocol import Price
 
 pytestmark = pytest.mark.integration
 
@@ -21,8 +21,8 @@ ACKNOWLEDGED = 300
 # Writes until killed (bounded, in case the test itself dies); prints each id once it is committed.
 CHILD = """
 import sys
-from worker.ledger import Ledger
-from worker.protocol import Price
+from worker.measure.ledger import Ledger
+from worker.contract.protocol import Price
 
 price = Price(currency="USD", per_million_output_tokens=0.40, per_million_input_tokens=0.05)
 ledger = Ledger(sys.argv[1], clock=lambda: 1_795_000_000.0)

@@ -14,12 +14,12 @@ import psutil
 import pytest
 
 from tests.support.engines import LlamaServer, engine_client, free_port
-from worker.config import Paths
-from worker.events import EngineSnapshot
-from worker.plan import EnginePlan
-from worker.procs import StopTiming
-from worker.restart_policy import RestartBackoff, SupervisorTiming
-from worker.supervise import EngineSupervisor
+from worker.system.config import Paths
+from worker.contract.events import EngineSnapshot
+from worker.plan.planner import EnginePlan
+from worker.serve.process import StopTiming
+from worker.serve.restart_policy import RestartBackoff, SupervisorTiming
+from worker.serve.supervisor import EngineSupervisor
 
 pytestmark = pytest.mark.integration
 

@@ -25,14 +25,15 @@ import pytest
 
 from tests.support.engines import engine_client
 from tests.worker.hardware.recorded import replay
-from worker import protocol, supervise
-from worker.config import Paths, Settings
-from worker.events import NodeSnapshot
-from worker.ledger import earned
-from worker.link import Backoff
-from worker.localnet import Collected, ReferenceCoordinator
-from worker.node import Node
-from worker.relay import EngineTarget
+from worker.contract import protocol
+from worker.serve import supervisor as supervise
+from worker.system.config import Paths, Settings
+from worker.contract.events import NodeSnapshot
+from worker.measure.ledger import earned
+from worker.link.connection import Backoff
+from worker.link.local import Collected, ReferenceCoordinator
+from worker.node.node import Node
+from worker.relay.forward import EngineTarget
 from worker.provision.models import UNUSABLE_PATH
 
 pytestmark = pytest.mark.integration

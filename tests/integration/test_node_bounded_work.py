@@ -16,7 +16,7 @@ import pytest
 
 from tests.integration.test_node import STATE_TIMEOUT_S, running_node
 from tests.security.test_hostile_assignments import BOUNDED_S, COSTLY_CASES
-from worker import protocol
+from worker.contract import protocol
 
 pytestmark = pytest.mark.integration
 

@@ -28,15 +28,17 @@ from tests.integration.test_node import (
     vllm,
     vllm_assign,
 )
-from worker import download, node as node_module, protocol
-from worker.config import Settings
-from worker.events import Problem
-from worker.link import Backoff
-from worker.localnet import ReferenceCoordinator
-from worker.node import Node
+from worker.provision import fetch as download
+from worker.node import node as node_module
+from worker.contract import protocol
+from worker.system.config import Settings
+from worker.contract.events import Problem
+from worker.link.connection import Backoff
+from worker.link.local import ReferenceCoordinator
+from worker.node.node import Node
 from worker.provision import assignment
 from worker.provision.errors import ProvisionError
-from worker.restart_policy import RestartBackoff, SupervisorTiming
+from worker.serve.restart_policy import RestartBackoff, SupervisorTiming
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ from tests.integration.test_node import (
     running_node,
 )
 from tests.support.engines import LlamaServer
-from worker import protocol
+from worker.contract import protocol
 
 pytestmark = pytest.mark.integration
 

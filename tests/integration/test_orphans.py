@@ -17,20 +17,20 @@ import psutil
 import pytest
 
 from tests.support.engines import REPO, VLLM_STANDIN, free_port
-from worker import procs
-from worker.config import Paths
-from worker.plan import EnginePlan
-from worker.restart_policy import SupervisorTiming
-from worker.supervise import EngineSupervisor
+from worker.serve import process as procs
+from worker.system.config import Paths
+from worker.plan.planner import EnginePlan
+from worker.serve.restart_policy import SupervisorTiming
+from worker.serve.supervisor import EngineSupervisor
 
 pytestmark = pytest.mark.integration
 
 APP = textwrap.dedent("""
     import asyncio, json, sys
-    from worker.config import Paths
-    from worker.plan import EnginePlan
-    from worker.restart_policy import SupervisorTiming
-    from worker.supervise import EngineSupervisor
+    from worker.system.config import Paths
+    from worker.plan.planner import EnginePlan
+    from worker.serve.restart_policy import SupervisorTiming
+    from worker.serve.supervisor import EngineSupervisor
 
     async def main(root, standin, port):
         plan = EnginePlan(engine_id="e0", engine="vllm", gpu_indices=(0,), layout="single", memory_mib=1,
@@ -86,7 +86,7 @@ def test_engine_dies_with_an_app_killed_by_sigkill(tmp_path: Path) -> None:
 GRANDPARENT = textwrap.dedent("""
     import asyncio, os, sys, threading
     from pathlib import Path
-    from worker import procs
+    from worker.serve import process as procs
 
     # An engine that starts a child of its own in its process group (as vLLM starts EngineCore and
     # a Worker), spawned from a thread other than the main one (the desktop app's core loop is one).

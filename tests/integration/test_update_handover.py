@@ -30,10 +30,12 @@ from tests.integration.test_data_folder_owner import alive, model_folder
 from tests.integration.test_node import hardware_file, vllm_assign
 from tests.support.engines import REPO
 from tests.support.https_server import HttpsServer
-from worker import __version__, procs, protocol
-from worker.config import Paths
-from worker.datalock import DataFolderLock
-from worker.localnet import ReferenceCoordinator
+from worker import __version__
+from worker.serve import process as procs
+from worker.contract import protocol
+from worker.system.config import Paths
+from worker.system.datalock import DataFolderLock
+from worker.link.local import ReferenceCoordinator
 from worker.update import InstallRoot, install_root
 
 pytestmark = pytest.mark.integration
@@ -52,8 +54,8 @@ import worker
 worker.__version__ = {version!r}
 import worker.update.verify
 worker.update.verify.RELEASE_PUBLIC_KEY_B64 = {key!r}
-import ipaddress, worker.download_hosts  # the test's file server stands for a public host
-worker.download_hosts.PublicHosts.addresses_for = lambda self, host, port: [ipaddress.IPv4Address("127.0.0.1")]
+import ipaddress, worker.provision.hosts  # the test's file server stands for a public host
+worker.provision.hosts.PublicHosts.addresses_for = lambda self, host, port: [ipaddress.IPv4Address("127.0.0.1")]
 {body}
 '''
 APP = "from app.main import main\nsys.exit(main(sys.argv[1:]))"

@@ -30,9 +30,9 @@ import pytest
 import pytest_asyncio
 
 from tests.support.real_vllm import ensure_vllm, tiny_hf_model
-from worker import protocol
-from worker.config import Paths, Settings, save_settings
-from worker.localnet import ReferenceCoordinator
+from worker.contract import protocol
+from worker.system.config import Paths, Settings, save_settings
+from worker.link.local import ReferenceCoordinator
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 

@@ -19,15 +19,15 @@ import pytest
 
 from tests.support.engines import engine_client, free_port
 from tests.support.wire import Wire
-from worker import protocol
-from worker.config import Paths
-from worker.events import EngineSnapshot
-from worker.plan import EnginePlan
-from worker.procs import StopTiming
-from worker.relay import Relay, RelayHooks, engine_http_client
-from worker.restart_policy import RestartBackoff, SupervisorTiming
-from worker.relay import EngineTarget
-from worker.supervise import EngineSupervisor
+from worker.contract import protocol
+from worker.system.config import Paths
+from worker.contract.events import EngineSnapshot
+from worker.plan.planner import EnginePlan
+from worker.serve.process import StopTiming
+from worker.relay.forward import Relay, RelayHooks, engine_http_client
+from worker.serve.restart_policy import RestartBackoff, SupervisorTiming
+from worker.relay.forward import EngineTarget
+from worker.serve.supervisor import EngineSupervisor
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tests.support.processes import terminate
 from tests.worker.hardware.recorded import replay
-from worker import protocol
-from worker.localnet import ReferenceCoordinator
+from worker.contract import protocol
+from worker.link.local import ReferenceCoordinator
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -30,11 +30,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.support.https_server import HOST, MIRROR, SERVED_HERE, HttpsServer
 from tests.worker.provision.hf_endpoint import serve_repo
-from worker import protocol
-from worker.config import Paths, Settings
-from worker.download import TOO_MANY_REDIRECTS, HostRefused
-from worker.download_hosts import LOCAL_HOST, NOT_A_NAME, NOT_HTTPS, PUBLIC_HOSTS, only_public, url_refusal
-from worker.events import DownloadProgress
+from worker.contract import protocol
+from worker.system.config import Paths, Settings
+from worker.provision.fetch import TOO_MANY_REDIRECTS, HostRefused
+from worker.provision.hosts import LOCAL_HOST, NOT_A_NAME, NOT_HTTPS, PUBLIC_HOSTS, only_public, url_refusal
+from worker.contract.events import DownloadProgress
 from worker.provision.errors import ProvisionError
 from worker.provision.models import UNUSABLE_PATH, ModelOptions, ensure_model
 from worker.update.download import DownloadPolicy, download_verified

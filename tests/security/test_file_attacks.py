@@ -30,8 +30,9 @@ import pytest
 from tests.integration.test_node import STATE_TIMEOUT_S, running_node
 from tests.integration.test_node_headless import GPU_PROVIDER
 from tests.support.engines import LlamaServer
-from worker import applog, protocol
-from worker.config import (
+from worker.system import applog
+from worker.contract import protocol
+from worker.system.config import (
     DataFolderUnsafe,
     LocalEndpoint,
     Paths,
@@ -42,10 +43,10 @@ from worker.config import (
     save_local_endpoint,
     save_settings,
 )
-from worker.datalock import LOCK_NAME, OWNER_NAME, DataFolderLock
-from worker.events import NodeSnapshot
-from worker.ledger import Ledger, LedgerError
-from worker.status import StatusFile, read_status
+from worker.system.datalock import LOCK_NAME, OWNER_NAME, DataFolderLock
+from worker.contract.events import NodeSnapshot
+from worker.measure.ledger import Ledger, LedgerError
+from worker.node.status import StatusFile, read_status
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ accepts; every attack of issue 12: files read or written through `--log-file`/ch
 tokenizers/download folders, listeners and remote backends, plugins and import paths, dotted JSON
 keys, `_` spellings and abbreviations, speculative configs naming classes or models, removed flags,
 bad values; shell metacharacters, newlines and NUL; sources with `..`, `file://` or plain `http://`),
-N are refused by `worker.plan.plan` with the culprit named, and N by the `gpu-provider plan`
+N are refused by `worker.plan.planner.plan` with the culprit named, and N by the `gpu-provider plan`
 command (exit 2, `{"error": …}`), for vLLM on a native RTX 4090 and llama.cpp on a CPU-only
 machine. `plan` is pure, so a refusal there is a refusal before any engine process exists; the
 last test sends hostile assignments to a real running node whose engine executable records any
@@ -29,13 +29,13 @@ import pytest
 from tests.security.node_process import headless_node
 from tests.worker.engines.test_allowlist import forms, valid_values
 from tests.worker.hardware.recorded import replay
-from worker import protocol
-from worker.config import Settings
+from worker.contract import protocol
+from worker.system.config import Settings
 from worker.engines import get_adapter
 from worker.engines.allowlist import Switch
 from worker.hardware import Machine
-from worker.localnet import ReferenceCoordinator
-from worker.plan import Plan, Refusal, plan
+from worker.link.local import ReferenceCoordinator
+from worker.plan.planner import Plan, Refusal, plan
 
 SAFE_VLLM_ARGS = ["--max-model-len", "8192"]
 SAFE_LLAMACPP_ARGS = ["--ctx-size", "4096"]

@@ -25,9 +25,9 @@ from pydantic import BaseModel
 
 from tests.integration.test_node import STATE_TIMEOUT_S, Running, running_node
 from tests.support.engines import LlamaServer
-from worker import protocol
-from worker.events import EngineSnapshot
-from worker.localnet.coordinator import Exchange
+from worker.contract import protocol
+from worker.contract.events import EngineSnapshot
+from worker.link.local.coordinator import Exchange
 
 pytestmark = pytest.mark.integration
 

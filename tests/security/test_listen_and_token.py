@@ -22,7 +22,7 @@ import pytest
 
 from tests.security.node_process import headless_node, model_folder, vllm_assignment
 from tests.support.engines import VLLM_STANDIN
-from worker.localnet import ReferenceCoordinator
+from worker.link.local import ReferenceCoordinator
 
 pytestmark = pytest.mark.integration
 

@@ -25,10 +25,10 @@ import pytest
 from tests.integration.test_node import STATE_TIMEOUT_S, processes_mentioning, running_node
 from tests.support.engines import LlamaServer
 from tests.worker.hardware.recorded import replay
-from worker import protocol
-from worker.config import Paths, Settings
+from worker.contract import protocol
+from worker.system.config import Paths, Settings
 from worker.hardware import Machine
-from worker.plan import Plan, Refusal, plan
+from worker.plan.planner import Plan, Refusal, plan
 from worker.provision.assignment import provision
 from worker.provision.errors import ProvisionError
 

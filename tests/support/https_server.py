@@ -8,7 +8,7 @@ from worker threads can use it), with a trustme certificate authority the test h
 clients. Every request is recorded, so a test can assert which ranges were asked for, and every
 connection counted, so a test can assert that nothing connected at all.
 
-The app downloads only from public host names (`worker.download_hosts`), so the server is named
+The app downloads only from public host names (`worker.provision.hosts`), so the server is named
 by one (`files.example.net`, and `mirror.example.org` for a second host): `SERVED_HERE` is the
 tests' host policy, which finds those two names on 127.0.0.1 and treats every other host as the
 app does. `server.client()` is a download client with that policy that trusts the server.
@@ -31,7 +31,7 @@ from urllib.parse import unquote, urlsplit
 import httpx
 import trustme
 
-from worker.download_hosts import IPAddress, PublicHosts, download_client
+from worker.provision.hosts import IPAddress, PublicHosts, download_client
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 HOST = "files.example.net"

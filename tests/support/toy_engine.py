@@ -35,7 +35,7 @@ from worker.engines.base import (
     cuda_environment,
 )
 from worker.engines.layout import Unit
-from worker.events import EngineSnapshot
+from worker.contract.events import EngineSnapshot
 from worker.hardware.model import EngineInstall, Machine
 
 REPO = Path(__file__).resolve().parents[2]

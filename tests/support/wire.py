@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from worker import protocol
+from worker.contract import protocol
 
 TERMINAL = (protocol.ResponseEnd, protocol.ResponseError)
 

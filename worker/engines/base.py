@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 from worker.engines.allowlist import Allowlist
-from worker.events import EngineSnapshot, StartPhase
+from worker.contract.events import EngineSnapshot, StartPhase
 
 if TYPE_CHECKING:  # the hardware and provision packages import the engines, never the other way
     from worker.engines.layout import Unit

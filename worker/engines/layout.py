@@ -2,7 +2,7 @@
 
 Pure. An adapter's `units` chooses one rule (`per_card_units`: tensor-parallel or one replica per
 card, as vLLM runs; `whole_group_units`: one process over a whole group, RAM or the Mac's working
-set, as llama.cpp runs) and `worker.plan` judges tiers on the units it returns.
+set, as llama.cpp runs) and `worker.plan.planner` judges tiers on the units it returns.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from worker.hardware.model import GpuGroup, Machine
-    from worker.protocol import Layout
+    from worker.contract.protocol import Layout
 
 FIT_SHARE = 0.9  # weights may take at most 90 % of the usable memory
 TENSOR_GROUP_SIZES = (2, 4)  # a model that fits one card goes tensor-parallel only here; 8+ stay replicas

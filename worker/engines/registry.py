@@ -2,7 +2,7 @@
 
 Importing `worker.engines` registers the built-in adapters (vLLM, then llama.cpp); nothing else in
 the core names an engine. Registration order is preference order: where two engines serve the
-same runtime, the first one the assignment has a block for is chosen (`worker.plan`).
+same runtime, the first one the assignment has a block for is chosen (`worker.plan.planner`).
 """
 
 from __future__ import annotations

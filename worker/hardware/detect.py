@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from worker.config import Settings
+from worker.system.config import Settings
 from worker.engines.vllm import serves_group as runs_vllm  # the runtime is named for where vLLM runs
 from worker.hardware.host import HostFacts, read_host
 from worker.hardware.installed import VersionRunner, find_engines, run_for_version
@@ -16,7 +16,7 @@ from worker.hardware.model import EngineInstall, Gpu, GpuGroup, Machine
 from worker.hardware.nvml import GpuReading, NvidiaReading, NvmlSource, PynvmlSource, find_wsl_nvml_library, read_nvidia
 
 if TYPE_CHECKING:
-    from worker.protocol import Runtime
+    from worker.contract.protocol import Runtime
 
 
 def usable_mib(free_mib: int, settings: Settings) -> int:

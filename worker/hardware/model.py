@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from worker import protocol
+    from worker.contract import protocol
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Machine:
     @classmethod
     def from_detect_json(cls, data: Any) -> Machine:
         """Read a `detect` output back; raises ValueError (pydantic's) when it is not one."""
-        from worker import protocol
+        from worker.contract import protocol
 
         if not isinstance(data, dict):
             raise ValueError("expected one JSON object with platform, hardware and engines")

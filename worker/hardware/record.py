@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from worker.config import Settings
+from worker.system.config import Settings
 from worker.hardware.detect import detect
 from worker.hardware.host import read_host
 from worker.hardware.nvml import PynvmlSource, find_wsl_nvml_library, gpu_processes, sample_gpus

@@ -15,17 +15,17 @@ from typing import Any
 
 import psutil
 
-from worker.config import Paths, Settings
+from worker.system.config import Paths, Settings
 from worker.engines.base import Room, Run, StartCheck
-from worker.events import Problem
+from worker.contract.events import Problem
 from worker.hardware import Machine, usable_mib
-from worker.plan import EnginePlan, Plan
+from worker.plan.planner import EnginePlan, Plan
 from worker.provision.engine_install import accelerator_of, cuda_version, ensure_engine, library_env
 from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.provision.progress import ProgressCallback
 from worker.provision.releases import SHIPPED
-from worker.restart_policy import RestartBackoff
+from worker.serve.restart_policy import RestartBackoff
 
 OFFLINE_BACKOFF = RestartBackoff(initial_s=15.0, maximum_s=600.0)  # 15 s doubling to 10 min
 

@@ -17,13 +17,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
-from worker.config import Paths
-from worker.download_hosts import download_client
+from worker.system.config import Paths
+from worker.provision.hosts import download_client
 from worker.engines import registry
 from worker.engines.llamacpp import normalise_version as normalise_build
-from worker.events import Problem
+from worker.contract.events import Problem
 from worker.hardware import Machine
-from worker.provision.download import Downloader
+from worker.provision.problems import Downloader
 from worker.provision.errors import ProvisionError
 from worker.provision.llamacpp_install import (
     RELEASE_API,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.events import Problem
+from worker.contract.events import Problem
 
 
 class ProvisionError(Exception):

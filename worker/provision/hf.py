@@ -9,7 +9,7 @@ of the repo is on disk, and failures a person can act on. Its calls block, so th
 
 Where it connects: huggingface_hub follows redirects itself (to its CDN), so the check is in its
 HTTP client: `fetch_repo` installs one whose transport checks every request, each hop included, as
-`worker.download_hosts` does for our own downloads (https, a public host name, public addresses,
+`worker.provision.hosts` does for our own downloads (https, a public host name, public addresses,
 connected to the address checked). Xet transfers are turned off: hf_xet is native code with its own
 HTTP that nothing here can check, and without it the same files come over plain https.
 """
@@ -43,10 +43,10 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils._http import hf_request_event_hook
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-from worker.download_hosts import PUBLIC_HOSTS, HostPolicy, HostRefused, IPAddress, checked_addresses
-from worker.events import DownloadProgress, Problem
+from worker.provision.hosts import PUBLIC_HOSTS, HostPolicy, HostRefused, IPAddress, checked_addresses
+from worker.contract.events import DownloadProgress, Problem
 from worker.provision.cache import tree_size
-from worker.provision.download import FreeBytes, SizeCap, ensure_free_space, host_refused, too_large
+from worker.provision.problems import FreeBytes, SizeCap, ensure_free_space, host_refused, too_large
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback, ProgressMeter
 

@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 import httpx
 
-from worker.events import Problem
-from worker.provision.download import Downloader, fetch
+from worker.contract.events import Problem
+from worker.provision.problems import Downloader, fetch
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback
 from worker.provision.releases import PinnedAsset

@@ -7,7 +7,7 @@ config.json for one that loads a model folder (vLLM), never a device or other sp
 local path the node cannot use gets the same words (`UNUSABLE_PATH`), whether it is missing,
 unreadable, special, not a model, a folder with no or several GGUF files, or of another sha256:
 the refusal goes to the coordinator, which must not learn what exists on this machine. Downloads
-go only to public https hosts (`ModelOptions.hosts`, `worker.download_hosts`). A download may bring
+go only to public https hosts (`ModelOptions.hosts`, `worker.provision.hosts`). A download may bring
 at most the assignment's `weights_mib` plus 10 %, and never more than the cache limit. Cached
 downloads are tracked in the cache index, and the least recently used are evicted when the cache
 grows past the user's limit — never a model in use.
@@ -29,14 +29,15 @@ from typing import Literal
 
 import httpx
 
-from worker import download, protocol
-from worker.config import Paths, Settings
-from worker.download import SPACE_MARGIN_BYTES, FreeBytes, disk_free
-from worker.download_hosts import PUBLIC_HOSTS, HostPolicy, download_client
+from worker.provision import fetch as download
+from worker.contract import protocol
+from worker.system.config import Paths, Settings
+from worker.provision.fetch import SPACE_MARGIN_BYTES, FreeBytes, disk_free
+from worker.provision.hosts import PUBLIC_HOSTS, HostPolicy, download_client
 from worker.engines import EngineAdapter, registry
-from worker.events import Problem
+from worker.contract.events import Problem
 from worker.provision.cache import ModelCache
-from worker.provision.download import Downloader, SizeCap, fetch
+from worker.provision.problems import Downloader, SizeCap, fetch
 from worker.provision.errors import ProvisionError, human_bytes
 from worker.provision.progress import ProgressCallback
 from worker.provision.sources import BadSource, ModelSource, check_source, under_system_folder

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from worker.events import DownloadProgress
+from worker.contract.events import DownloadProgress
 
 ProgressCallback = Callable[[DownloadProgress], None]
 

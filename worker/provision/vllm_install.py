@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath, PurePosixPath
 
-from worker.events import DownloadProgress, Problem
+from worker.contract.events import DownloadProgress, Problem
 from worker.provision.errors import ProvisionError, human_bytes
 from worker.provision.progress import ProgressCallback
 from worker.provision.releases import VllmBuild

@@ -1,11 +1,11 @@
-"""Fetch an update archive with the shared downloader (`worker.download`), under the update's cap.
+"""Fetch an update archive with the shared downloader (`worker.provision.fetch`), under the update's cap.
 
 Nothing is trusted until the whole file's hash equals the signed one. A download stops, and its
 partial file is deleted, once it passes the offer's size, or 1 GiB when the offer gives none; the
 size is not signed, so an offer over 1 GiB is refused: a hostile server cannot fill the disk with
 a body that would never verify. Every failure is an `UpdateRefused` worded for the update status,
 carrying nothing a server sent (no status, no hash of a body, no announced size); the download
-goes only to public https hosts, each redirect checked before it is followed (`worker.download`).
+goes only to public https hosts, each redirect checked before it is followed (`worker.provision.fetch`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from worker import download
-from worker.download import SPACE_MARGIN_BYTES, FreeBytes, disk_free
-from worker.download_hosts import HostRefused
-from worker.events import DownloadProgress
+from worker.provision import fetch as download
+from worker.provision.fetch import SPACE_MARGIN_BYTES, FreeBytes, disk_free
+from worker.provision.hosts import HostRefused
+from worker.contract.events import DownloadProgress
 from worker.provision.progress import ProgressCallback, ProgressMeter
 from worker.update.verify import UpdateRefused
 

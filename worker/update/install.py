@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from worker.config import Paths
+from worker.system.config import Paths
 from worker.update.verify import UpdateRefused, is_newer, parse_version
 
 log = logging.getLogger(__name__)

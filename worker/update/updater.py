@@ -3,7 +3,7 @@
 Offers come from the coordinator's `update` message and from a periodic check of the update feed.
 An offer is verified before anything is fetched; the archive is checked by hash before it is
 unpacked. Feed and archive come only from public https hosts, every redirect checked before it is
-followed (`worker.download_hosts`). Applying waits until no request is in flight (or the user
+followed (`worker.provision.hosts`). Applying waits until no request is in flight (or the user
 clicks "install now"), stops the engine children and waits until they are gone (an engine that
 outlives its app holds the GPU and the port, and the new version would fail to start), switches
 `current`, starts the new version, and switches back if that version does not prove within
@@ -30,10 +30,11 @@ from typing import Any, Literal
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from worker import __version__, protocol
-from worker.config import Paths, Settings
-from worker.download_hosts import HostRefused, download_client
-from worker.events import DownloadProgress
+from worker import __version__
+from worker.contract import protocol
+from worker.system.config import Paths, Settings
+from worker.provision.hosts import HostRefused, download_client
+from worker.contract.events import DownloadProgress
 from worker.update.download import DownloadPolicy, download_verified
 from worker.update.install import (
     InstallRoot,

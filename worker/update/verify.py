@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from packaging.version import InvalidVersion, Version
 from pydantic import ValidationError
 
-from worker import protocol
+from worker.contract import protocol
 
 # The release key's public half (raw 32 bytes, base64). Its private half lives only with the
 # release manager (see docs/releasing.md); replace this line when the key is rotated.

@@ -12,21 +12,21 @@ import pytest
 
 from tests.support import toy_engine
 from tests.worker.hardware.recorded import replay
-from worker import protocol
-from worker.cli import InputError, parse_engine_bins
-from worker.config import Paths, Settings
+from worker.contract import protocol
+from worker.node.cli import InputError, parse_engine_bins
+from worker.system.config import Paths, Settings
 from worker.engines import get_adapter, llamacpp, published_args, registry, vllm
 from worker.engines.base import EngineAdapter
 from worker.hardware.installed import find_engines
-from worker.metrics import parse_metrics, scrape
-from worker.plan import Plan, Refusal, plan
+from worker.measure.metrics import parse_metrics, scrape
+from worker.plan.planner import Plan, Refusal, plan
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.provision.releases import version_problem
 from worker.provision.sources import BadSource, check_source
-from worker.restart_policy import SupervisorTiming
-from worker.supervise import EngineSupervisor
+from worker.serve.restart_policy import SupervisorTiming
+from worker.serve.supervisor import EngineSupervisor
 
 TOY_BLOCK = {"source": "/models/toy", "weights_mib": 1, "base_args": ["--slots", "3"], "tiers": {"1": ["--slots", "5"]}}
 GGUF_BLOCK = {"source": "/models/tiny.gguf", "weights_mib": 1}
@@ -90,7 +90,7 @@ def test_a_name_is_registered_once(toy: None) -> None:
 
 def test_an_unknown_engine_block_in_assign_is_ignored_and_a_registered_one_read(
         toy: None, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="worker.protocol")
+    caplog.set_level("INFO", logger="worker.contract.protocol")
     message = parsed(toy=TOY_BLOCK, sglang={"anything": ["goes", 1]}, llamacpp=None)
     block = message.model.for_engine("toy")
     assert block is not None and block.base_args == ["--slots", "3"]

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from tests.worker.hardware.recorded import no_engine_probe, replay
-from worker import protocol
-from worker.config import Settings
+from worker.contract import protocol
+from worker.system.config import Settings
 from worker.engines import vllm
 from worker.engines.base import FreeMemoryShort
 from worker.hardware.host import read_engine_ram
 from worker.hardware.installed import find_vllm
 from worker.hardware.model import EngineInstall, Machine
-from worker.plan import Plan, Refusal, plan
+from worker.plan.planner import Plan, Refusal, plan
 
 MIB = 1024 * 1024
 GGUF = {"source": "/models/m.gguf", "weights_mib": 400, "base_args": ["--ctx-size", "4096"]}

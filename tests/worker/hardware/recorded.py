@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.config import Settings
+from worker.system.config import Settings
 from worker.hardware import Machine, detect, load_reading
 
 NVML_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "nvml"

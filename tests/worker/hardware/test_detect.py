@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from tests.worker.hardware.recorded import NO_ENGINES, NVML_FIXTURES, no_engine_probe, replay
-from worker import protocol
-from worker.config import Settings
+from worker.contract import protocol
+from worker.system.config import Settings
 from worker.hardware import HostFacts, Machine, ReplaySource, detect, load_reading, usable_mib
 from worker.hardware.host import AppleFacts, _read_apple
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.worker.hardware.recorded import NO_ENGINES, NVML_FIXTURES, no_engine_probe
-from worker.config import Settings
+from worker.system.config import Settings
 from worker.hardware import (
     GpuProcess,
     NvmlError,

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.fake_pynvml import FakeCard, FakeNvml, FakeProcess
 from tests.worker.hardware.recorded import NO_ENGINES, no_engine_probe
-from worker.config import Settings
+from worker.system.config import Settings
 from worker.hardware import (
     GpuProcess,
     HostFacts,

@@ -11,7 +11,7 @@ import pytest
 import trustme
 
 from tests.support.https_server import HttpsServer
-from worker.events import DownloadProgress
+from worker.contract.events import DownloadProgress
 
 
 CA = trustme.CA()  # one for the session: making one per test costs more than the test

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from tests.worker.engines.test_vllm_cpu import FOLDER, assign, cpu_machine
-from worker.config import Paths, Settings
+from worker.system.config import Paths, Settings
 from worker.hardware.model import EngineInstall
-from worker.plan import Plan, plan
+from worker.plan.planner import Plan, plan
 from worker.provision import assignment
 
 

@@ -1,4 +1,4 @@
-"""Provisioning's words for the shared downloader's failures (its mechanics: tests/worker/test_download.py)."""
+"""Provisioning's words for the shared downloader's failures (its mechanics: tests/worker/provision/test_fetch.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from tests.support.https_server import HttpsServer
 from tests.worker.provision.conftest import no_sleep
-from worker.events import DownloadProgress
-from worker.provision.download import Downloader, ensure_free_space, fetch
+from worker.contract.events import DownloadProgress
+from worker.provision.problems import Downloader, ensure_free_space, fetch
 from worker.provision.errors import ProvisionError
 
 BODY = os.urandom(700_000)

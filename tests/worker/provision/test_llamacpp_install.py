@@ -15,9 +15,9 @@ import pytest
 
 from tests.support.https_server import HttpsServer
 from tests.worker.provision.conftest import no_sleep
-from worker.config import Paths
-from worker.events import DownloadProgress
-from worker.provision.download import Downloader
+from worker.system.config import Paths
+from worker.contract.events import DownloadProgress
+from worker.provision.problems import Downloader
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError
 from worker.provision.llamacpp_install import (

@@ -12,9 +12,9 @@ import pytest
 from tests.support.https_server import SERVED_HERE, HttpsServer
 from tests.worker.provision.conftest import no_sleep, trusting_ca
 from tests.worker.provision.hf_endpoint import serve_repo
-from worker import protocol
-from worker.config import Paths, Settings
-from worker.events import DownloadProgress
+from worker.contract import protocol
+from worker.system.config import Paths, Settings
+from worker.contract.events import DownloadProgress
 from worker.provision.errors import ProvisionError
 from worker.provision.models import UNUSABLE_PATH, ModelOptions, ensure_model
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from worker.events import DownloadProgress
+from worker.contract.events import DownloadProgress
 from worker.provision.progress import ProgressMeter
 
 

@@ -19,8 +19,8 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.support.real_vllm import vllm_python
-from worker.config import Paths
-from worker.events import DownloadProgress
+from worker.system.config import Paths
+from worker.contract.events import DownloadProgress
 from worker.hardware.installed import find_engines, find_vllm, run_for_version
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError

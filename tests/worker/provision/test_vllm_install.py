@@ -8,8 +8,8 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from tests.support.wheels import fake_vllm_wheel
-from worker.config import Paths
-from worker.events import DownloadProgress
+from worker.system.config import Paths
+from worker.contract.events import DownloadProgress
 from worker.provision.engine_install import EngineInstall, ensure_engine, remove_unused
 from worker.provision.errors import ProvisionError
 from worker.provision.vllm_install import (

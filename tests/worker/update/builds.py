@@ -14,7 +14,7 @@ import zipfile
 
 BEHAVIOURS = {
     "good": (
-        "from worker.config import Paths\n"
+        "from worker.system.config import Paths\n"
         "from worker.update import mark_hello_reached\n"
         "mark_hello_reached(Paths.under(data_dir), VERSION)"
     ),

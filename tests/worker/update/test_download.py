@@ -1,4 +1,4 @@
-"""The update's cap and its words for download failures (the mechanics: tests/worker/test_download.py)."""
+"""The update's cap and its words for download failures (the mechanics: tests/worker/provision/test_fetch.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.https_server import HttpsServer
-from worker.events import DownloadProgress
+from worker.contract.events import DownloadProgress
 from worker.update.download import DownloadPolicy, download_verified
 from worker.update.verify import UpdateRefused
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.worker.update import builds
-from worker.config import Paths
+from worker.system.config import Paths
 from worker.update.install import (
     InstallRoot,
     PointerKind,
@@ -183,7 +183,7 @@ def test_a_packaged_build_hands_over_to_the_newer_installed_version(
     unpacked(install, tmp_path, "0.2.0")
     install.switch_to("0.2.0")
     starter = (
-        "import sys; from worker.config import Paths; from worker.update import run_installed_if_newer; "
+        "import sys; from worker.system.config import Paths; from worker.update import run_installed_if_newer; "
         f"run_installed_if_newer(Paths.under({str(tmp_path)!r}), ['--data-dir', {str(tmp_path)!r}], '0.1.0'); "
         "print('the packaged build carried on')"
     )

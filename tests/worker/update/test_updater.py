@@ -16,10 +16,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.support.https_server import SERVED_HERE, HttpsServer
 from tests.worker.update import builds
-from worker import protocol
-from worker.config import Paths, Settings
-from worker.download_hosts import download_client
-from worker.events import DownloadProgress
+from worker.contract import protocol
+from worker.system.config import Paths, Settings
+from worker.provision.hosts import download_client
+from worker.contract.events import DownloadProgress
 from worker.update import (
     DownloadPolicy,
     InstallRoot,
@@ -273,7 +273,7 @@ async def test_a_new_version_that_never_reaches_hello_is_stopped_and_rolled_back
 
 
 OFFLINE = (
-    "from worker.config import Paths\n"
+    "from worker.system.config import Paths\n"
     "from worker.update import mark_started\n"
     "mark_started(Paths.under(data_dir), VERSION)\n"
     "time.sleep(60)"

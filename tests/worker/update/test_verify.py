@@ -6,7 +6,7 @@ import json
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from worker import protocol
+from worker.contract import protocol
 from worker.update.verify import (
     RELEASE_PUBLIC_KEY_B64,
     UpdateRefused,

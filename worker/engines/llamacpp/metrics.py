@@ -1,6 +1,6 @@
 """llama-server's /metrics: the series each quantity is read from, and its prefix-cache figures.
 
-Pure. Counters are given by their declared name; `worker.metrics` accepts the scraped series with
+Pure. Counters are given by their declared name; `worker.measure.metrics` accepts the scraped series with
 or without prometheus-client's `_total` suffix.
 """
 

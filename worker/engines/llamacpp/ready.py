@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from worker.engines.base import Slots
-from worker.events import EngineSnapshot
+from worker.contract.events import EngineSnapshot
 
 PROPS = "/props"
 SLOTS = "/slots"

@@ -17,7 +17,7 @@ from worker.engines.vllm.metrics import NAMES as METRIC_NAMES
 from worker.engines.vllm.metrics import PREFIX as METRICS_PREFIX
 from worker.engines.vllm.metrics import derive_metrics
 from worker.engines.vllm.planning import capacity, runtime_environment, serves_group, tier_warning, units
-from worker.events import EngineSnapshot
+from worker.contract.events import EngineSnapshot
 
 if TYPE_CHECKING:
     from worker.hardware.installed import VersionRunner

@@ -1,7 +1,7 @@
 """vLLM's /metrics: the series each quantity is read from, newest name first, and the KV capacity
 its `cache_config_info` gauge carries in labels.
 
-Pure. Counters are given by their declared name; `worker.metrics` accepts the scraped series with
+Pure. Counters are given by their declared name; `worker.measure.metrics` accepts the scraped series with
 or without prometheus-client's `_total` suffix.
 """
 

@@ -1,0 +1,216 @@
+"""Typed snapshots the core hands out (to the Qt app, the CLI and the status file).
+
+Frozen dataclasses only: readers can keep them, pass them across threads and compare them. The
+core computes every figure; the app only renders these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from worker.contract.protocol import EngineName, Layout, State
+
+NodeState = State  # one list of states: the protocol's
+PauseReason = Literal["user", "timed", "game", "schedule", "coordinator"]
+ConnectionState = Literal[
+    "disabled", "connecting", "connected", "offline", "signed_out", "banned", "taken_over", "update_required"
+]
+LIVE_WINDOW_S = 10.0  # the live tok/s figure's sliding window
+StartPhase = Literal["provisioning", "launching", "loading", "compiling", "capturing", "warming", "ready"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A failure a person must act on: a short title, what happened and what to do."""
+
+    title: str
+    message: str
+    action: Literal["sign_in", "update", "check_network", "free_disk", "settings", "retry", "none"] = "none"
+    details: tuple[str, ...] = ()  # the log lines behind it, folded under "Details" (never the title)
+    retry_at: float | None = None  # wall-clock seconds when the app tries again by itself; None = it will not
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    index: int
+    name: str
+    memory_total_mib: int
+    memory_usable_mib: int
+    memory_used_mib: int | None = None
+    util_pct: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    lent: bool = True
+
+
+@dataclass(frozen=True)
+class ContextNumbers:
+    """Requested (argv), declared (/v1/models max_model_len), physical (KV tokens)."""
+
+    requested: int | None = None
+    declared: int | None = None
+    physical: int | None = None
+
+    @property
+    def servable(self) -> int | None:
+        known = [n for n in (self.declared, self.physical) if n is not None]
+        return min(known) if known else None
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    engine_id: str
+    engine: EngineName
+    gpu_indices: tuple[int, ...]
+    layout: Layout
+    state: NodeState
+    argv: tuple[str, ...] = ()  # the API key's value shown as ***
+    tier: str | None = None  # the threshold applied ("24000"), None for base_args alone
+    memory_mib: int = 0  # what this engine process is judged by
+    phase: StartPhase | None = None
+    kv_cache_tokens: int | None = None
+    kv_cache_gib: float | None = None
+    max_concurrency: float | None = None
+    context: ContextNumbers = ContextNumbers()
+    restarts: int = 0
+    last_error: str | None = None
+    pid: int | None = None
+    port: int | None = None
+    log_path: str | None = None
+    kv_usage_pct: float | None = None
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    failures_in_a_row: int = 0  # quick failures of this start so far ("Restarting (3 of 5)")
+    restart_limit: int = 5  # quick failures in a row after which the supervisor gives up
+    retry_at: float | None = None  # wall-clock seconds of the next start while waiting to restart
+
+
+@dataclass(frozen=True)
+class ThroughputSnapshot:
+    """The current run only (this engine, this model, since ready); `None` = nothing to measure."""
+
+    tokens_per_s: float | None = None  # the run's average (what the coordinator is told)
+    live_tokens_per_s: float | None = None  # the last LIVE_WINDOW_S, 0.0 when serving and idle
+    capacity_tokens_per_s: float | None = None  # the best sustained rate of this run so far
+    per_request_tokens_per_s: float | None = None
+    ttft_p50_s: float | None = None
+    run_tokens: int = 0
+    run_seconds: float = 0.0
+    requests: int = 0
+    roofline_share: float | None = None
+    roofline_comparable: bool = True
+    spec_acceptance_rate: float | None = None
+    tokens_per_forward: float | None = None
+
+
+@dataclass(frozen=True)
+class DayEarnings:
+    """One local day of the ledger: what was earned and what its electricity cost."""
+
+    day: str  # ISO date, local time
+    gross: float
+    energy_cost: float
+
+    @property
+    def net(self) -> float:
+        return self.gross - self.energy_cost
+
+
+@dataclass(frozen=True)
+class MeasuredCapacity:
+    """The best sustained rate an earlier run measured, kept while nothing serves (paused)."""
+
+    tokens_per_s: float
+    model: str | None
+    measured_at: float  # wall-clock seconds
+
+
+@dataclass(frozen=True)
+class EarningsSnapshot:
+    currency: str = "USD"
+    today: float = 0.0
+    week: float = 0.0
+    all_time: float = 0.0
+    energy_cost_today: float = 0.0
+    energy_cost_week: float = 0.0
+    energy_cost_all_time: float = 0.0
+    energy_kwh_today: float = 0.0
+    days: tuple[DayEarnings, ...] = ()  # the last 30 local days, oldest first, today last
+    net_per_hour: float | None = None  # net over the serving hours of the last 24 h; None = none served
+    electricity_price_per_kwh: float = 0.0  # 0 = not set: net equals gross, the app nudges
+
+    @property
+    def net_today(self) -> float:
+        return self.today - self.energy_cost_today
+
+    @property
+    def net_week(self) -> float:
+        return self.week - self.energy_cost_week
+
+    @property
+    def net_all_time(self) -> float:
+        return self.all_time - self.energy_cost_all_time
+
+
+@dataclass(frozen=True)
+class DownloadProgress:
+    what: str  # "model qwen3.8-27b" / "engine vllm 0.33.0"
+    done_bytes: int
+    total_bytes: int | None
+    rate_bps: float | None = None
+    eta_s: float | None = None
+    finished: bool = False
+    error: str | None = None
+    step: str | None = None  # what an install is doing when there are no bytes to count
+
+    @property
+    def fraction(self) -> float | None:
+        if not self.total_bytes:
+            return None
+        return min(1.0, self.done_bytes / self.total_bytes)
+
+
+@dataclass(frozen=True)
+class ConnectionSnapshot:
+    coordinator_url: str
+    state: ConnectionState
+    problem: Problem | None = None
+    retry_in_s: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    """Everything the app shows, at one instant."""
+
+    at: float
+    state: NodeState
+    node_id: str
+    runtime: str
+    paused: bool = False
+    pause_reason: PauseReason | None = None
+    pause_until: float | None = None
+    pause_detail: str | None = None  # what a game pause is for ("Cyberpunk2077.exe", "a full-screen app")
+    assignment_id: str | None = None
+    model: str | None = None
+    problem: Problem | None = None
+    gpus: tuple[GpuSnapshot, ...] = ()
+    groups: tuple[tuple[int, ...], ...] = ()
+    effective_vram_mib: int = 0
+    engines: tuple[EngineSnapshot, ...] = ()
+    throughput: ThroughputSnapshot = ThroughputSnapshot()
+    earnings: EarningsSnapshot = EarningsSnapshot()
+    connection: ConnectionSnapshot = ConnectionSnapshot("local", "disabled")
+    downloads: tuple[DownloadProgress, ...] = ()
+    in_flight: int = 0
+    notices: tuple[str, ...] = field(default=())  # one-off lines for notifications, newest last
+    detecting: bool = False  # the machine is still being detected: GPU fields are not known yet
+    stopping: bool = False  # quitting: draining `in_flight` requests, then stopping the engines
+    update_ready: str | None = None  # a downloaded, verified update's version, applied on restart
+    last_capacity: MeasuredCapacity | None = None  # the latest run's measured capacity, kept across pauses
+
+    def without_clock(self) -> NodeSnapshot:
+        """The snapshot with the fields that move every tick zeroed: equal ones look the same."""
+        return replace(self, at=0.0, throughput=replace(self.throughput, run_seconds=0.0))
+

@@ -1,0 +1,650 @@
+"""The orchestrator: the one place that knows the order of things.
+
+detect → hello → assign → plan → provision → supervise → relay → measure, plus pause, resume,
+update and shutdown. Each part owns its state: the coordinator connection (`Uplink`), the engines
+(`EngineSet`), the GPUs (`GpuWatch`), the relay's measurements (`Metering`, the relay's hooks),
+the ledger (`Books`), who hears what and when (`Publisher`, with the `StatusFile`); `node_view`
+builds what the node shows and reports. The Node composes them on one asyncio loop, keeps the
+assignment, the plan and the pause, and turns coordinator messages and user commands into actions
+in the right order. Commands (`pause`, `resume`, `retry`, `apply_settings`, `sign_out`,
+`shutdown`, …) are safe to call from any thread. `diagnosis` words what failed for the person.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from worker.contract import protocol
+from worker.node.autopause import AutoPauser
+from worker.system.config import Paths, Settings, State, load_state, save_state
+from worker.system.datalock import DataFolderInUse, DataFolderLock
+from worker.serve.diagnosis import network_failure, offline_problem, provision_problem
+from worker.serve.engine_set import EngineSet
+from worker.contract.events import EngineSnapshot, NodeSnapshot, NodeState, Problem
+from worker.measure.gpu_watch import GpuWatch
+from worker.hardware import Machine, NvmlSource, PynvmlSource
+from worker.hardware.nvml import find_wsl_nvml_library
+from worker.measure.ledger import Books
+from worker.link.connection import Backoff
+from worker.node.tasks import LoopTasks
+from worker.measure.metering import Metering
+from worker.link.outgoing import Outgoing
+from worker.node.view import Pause, build_hello, build_snapshot, build_status, chart_points, node_state
+from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
+from worker.serve.process import reap_leftovers
+from worker.provision.assignment import OFFLINE_BACKOFF, OfflineRetry, provision
+from worker.provision.errors import ProvisionError
+from worker.node.publisher import Publisher, Subscriber
+from worker.relay.forward import Relay, engine_http_client
+from worker.serve.restart_policy import RestartBackoff
+from worker.node.status import StatusFile
+from worker.link.uplink import Uplink
+from worker.update import NodeHooks, Updater, UpdateStatus
+
+log = logging.getLogger(__name__)
+
+DRAIN_S = 30.0
+TICK_S = 1.0
+
+
+class Node:
+    """Owns the relay, the assignment and the pause, and the parts that own the rest."""
+
+    def __init__(
+        self,
+        paths: Paths,
+        settings: Settings,
+        *,
+        coordinator_url: str,
+        hardware_override: Path | None = None,
+        engine_bins: dict[str, str] | None = None,
+        model: str | None = None,
+        token_provider: Callable[[], str | None] | None = None,
+        nvml: NvmlSource | None = None,
+        backoff: Backoff | None = None,
+        openai_port: int | None = None,
+        first_port: int = DEFAULT_FIRST_PORT,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        offline_backoff: RestartBackoff = OFFLINE_BACKOFF,
+    ) -> None:
+        """`offline_backoff`: when a download or install the network cut short is tried again."""
+        self.paths = paths.ensure()
+        self.settings = settings
+        self._hardware_override = hardware_override
+        self._engine_bins = dict(engine_bins or {})
+        self._first_port = first_port
+        self._clock = clock
+        self._monotonic = monotonic
+
+        self.state: State
+        self.machine: Machine | None = None
+        self._stopping: asyncio.Event | None = None
+        self._tasks = LoopTasks()
+
+        self._owner = DataFolderLock(self.paths)
+        self._gpus = GpuWatch(nvml)
+        self._engines = EngineSet(self.paths, self._gpus, on_event=self._on_engine_change,
+                                  remeasure=self._remeasure_memory)
+        self._books = Books(self.paths.ledger_file, lambda: self.settings.currency,
+                            lambda: self.settings.electricity_price_per_kwh)
+        self._metering = Metering(self._engines.get, self._books, self._terms, monotonic, clock)
+        self._status_file = StatusFile(self.paths, lambda: self._owner.held, monotonic)
+        self._news = Publisher(self._build_snapshot, self._status, self._send, self._status_file)
+        self._uplink = Uplink(coordinator_url, self.paths, token_provider=token_provider, backoff=backoff,
+                              local_model=model, openai_port=openai_port, hello=self._hello,
+                              on_message=self._on_message, on_disconnect=self._on_disconnect,
+                              on_bad_message=self._on_bad_message, on_change=self._news.publish)
+        self._engine_http = engine_http_client()
+        # No default outlet: each request is handed the connection it came on (`_on_message`).
+        self._relay = Relay(Outgoing.nowhere(), self._engines.ready_targets, self._gate, http=self._engine_http,
+                            hooks=self._metering)
+        self._updater: Updater | None = None
+        self._offline_retry = OfflineRetry(self._tasks.spawn, offline_backoff, clock=clock)
+
+        self._welcome: protocol.Welcome | None = None
+        self._assignment: protocol.Assign | None = None
+        self._plan: Plan | None = None
+        self._problem: Problem | None = None
+        self._refused: protocol.Refused | None = None  # the latest assignment this node would not run
+        self._pause: Pause | None = None
+        self._draining = False
+        self._quitting = False  # from `shutdown` to the end: the snapshot says "stopping"
+        self._engines_lock: asyncio.Lock | None = None
+
+    # --- commands (any thread) ----------------------------------------------------------------
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """`callback(snapshot)` on the core's loop thread for every new snapshot; returns its undo."""
+        return self._news.subscribe(callback)
+
+    def snapshot(self) -> NodeSnapshot:
+        return self._news.latest or self._build_snapshot()
+
+    def pause(self, duration_s: float | None = None, reason: str = "user", detail: str | None = None) -> None:
+        until = self._clock() + duration_s if duration_s else None
+        why = reason if not until or reason != "user" else "timed"
+        self._tasks.call(lambda: self._tasks.spawn(self._do_pause(why, until, detail)))
+
+    def resume(self) -> None:
+        self._tasks.call(lambda: self._tasks.spawn(self._do_resume()))
+
+    def apply_settings(self, settings: Settings) -> None:
+        self._tasks.call(lambda: self._set_settings(settings))
+
+    def token_changed(self) -> None:
+        """The user signed in (again): connect now instead of waiting in `signed_out`."""
+        self._tasks.call(self._sign_in)
+
+    def sign_out(self) -> None:
+        """The user signed out: the link closes and waits in `signed_out` for `token_changed`."""
+        self._tasks.call(lambda: self._tasks.spawn(self._uplink.sign_out()))
+
+    def retry(self) -> None:
+        """The user's Retry: failed engines, a failed download or install, an offline link, now."""
+        self._tasks.call(lambda: self._tasks.spawn(self._try_again()))
+
+    def shutdown(self) -> None:
+        self._tasks.call(lambda: self._stopping.set() if self._stopping else None)
+
+    def history(self, series: str, since: float) -> list[tuple[float, float]]:
+        return self._books.chart(series, since)
+
+    def log_files(self) -> dict[str, Path]:
+        files = {"app": self.paths.log_dir / "gpu-provider.log"}
+        for engine in self.snapshot().engines:  # the snapshot, not the live dict: any thread may ask
+            if engine.log_path:
+                files[f"engine {engine.engine_id}"] = Path(engine.log_path)
+        return files
+
+    # --- life -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until `shutdown()`; engines are always stopped on the way out. The data folder is
+        this node's from before it reads, reaps or starts anything until its engines have stopped:
+        a second node on it raises `DataFolderInUse` at once and touches nothing."""
+        self._owner.acquire()
+        try:
+            await self._serve()
+        finally:
+            self._owner.release()  # `_close` released it already, unless setting up failed
+
+    async def _serve(self) -> None:
+        self._tasks.bind()
+        self._stopping = asyncio.Event()
+        self._engines_lock = asyncio.Lock()
+        self.state = load_state(self.paths)
+        if self.state.paused:
+            self._pause = Pause("user", self.state.pause_until)
+        reaped = await asyncio.to_thread(reap_leftovers, self.paths.run_dir)
+        if reaped:
+            log.warning("stopped %d engine process(es) a previous run left behind: %s", len(reaped), reaped)
+        self._news.publish()  # "Finding your GPUs…" (`detecting`) while `_detect` runs
+        self.machine = await asyncio.to_thread(self._detect)
+        if self._gpus.nvml is None and self._hardware_override is None and self.machine.gpus:
+            self._gpus.nvml = PynvmlSource(library=find_wsl_nvml_library() if self.machine.runtime == "wsl2" else None)
+        await asyncio.to_thread(self._books.open)
+        try:
+            self._problem = await self._uplink.open(self.machine)  # a local model that cannot be served
+            self._run_link()
+            self._updater = Updater(
+                self.paths,
+                self.settings,
+                NodeHooks(self._in_flight, self._stop_serving, self._resume_serving, self._exit_for_update),
+                on_progress=self._news.on_download,
+                on_status=self._on_update_status,
+            )
+            self._tasks.spawn(self._updater.run_feed_checks())
+            self._tasks.spawn(self._ticker())
+            self._tasks.spawn(self._autopause().run())
+            self._news.publish()
+            gc.freeze()  # what start-up made lives as long as the node: full collections skip it
+            await self._stopping.wait()
+        finally:
+            await self._close()
+
+    async def _close(self) -> None:
+        log.info("stopping: draining requests and stopping engines")
+        self._quitting = True
+        self._news.publish()  # "Stopping…" at once; the ticker publishes `in_flight` as it drains
+        self._owner.mark_stopping()  # a second start meanwhile is told to wait, not that we run on
+        try:
+            await self._wind_down()
+        finally:
+            self._owner.release()  # only now: the engines are gone
+
+    async def _wind_down(self) -> None:
+        if self._relay.in_flight:
+            self._draining = True
+            await self._relay.drain(min(DRAIN_S, 10.0), "draining")
+        await self._stop_engines()
+        await self._uplink.close()
+        await self._tasks.cancel_all()
+        await self._stop_engines()  # any that an assign or resume cut short by the cancel had started
+        await self._engines.close()
+        await self._engine_http.aclose()
+        self._news.publish()
+        await self._books.close()
+        self._status_file.remove()  # unless the new version owns the folder after an update
+
+    def _detect(self) -> Machine:
+        from worker.hardware import detect
+
+        if self._hardware_override:
+            data = json.loads(Path(self._hardware_override).read_text(encoding="utf-8"))
+            return Machine.from_detect_json(data)
+        return detect(self.settings, nvml=self._gpus.nvml, engine_bins=self._engine_bins)
+
+    # --- link -----------------------------------------------------------------------------
+
+    def _run_link(self) -> None:
+        if self._uplink.linked:
+            self._tasks.spawn(self._uplink.run())
+
+    def _sign_in(self) -> None:
+        if self._uplink.resume_after_sign_in():
+            self._run_link()
+
+    async def _switch_network(self, url: str) -> None:
+        """A new network in Settings: the old one's link and assignment end, the new one's link
+        opens (the local coordinator where it is "local"), the app running on."""
+        assert self.machine is not None
+        log.info("switching to the network at %s", url)
+        problem = await self._uplink.switch(url, self.machine)
+        self._welcome = None
+        await self._unassign()
+        self._problem = problem
+        self._run_link()
+        self._news.publish()
+
+    def _hello(self) -> protocol.Hello:
+        assert self.machine is not None
+        return build_hello(self.state.node_id, self.machine, paused=self._pause is not None,
+                           allow_remote_code=self.settings.allow_remote_code)
+
+    def _on_disconnect(self) -> None:
+        """The coordinator is gone: nobody will read the answers, so stop generating them."""
+        self._relay.cancel_all("coordinator connection lost")
+
+    async def _send(self, message: BaseModel) -> bool:
+        return await self._uplink.send(message)
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, protocol.Request):
+            self._relay.handle(message, self._uplink.sender())  # the relay tells `Metering` of generations
+        elif isinstance(message, protocol.Cancel):
+            self._relay.cancel(message.id)
+        elif isinstance(message, protocol.Welcome):
+            self._welcome = message
+            await self._news.send_status(force=True)
+        elif isinstance(message, protocol.Assign):
+            self._tasks.spawn(self._assign(message))
+        elif isinstance(message, protocol.Unassign):
+            if self._assignment and self._assignment.assignment_id == message.assignment_id:
+                self._tasks.spawn(self._unassign())
+        elif isinstance(message, protocol.Pause):
+            if self._pause is None or self._pause.reason == "coordinator":  # the person's own pause stays theirs
+                self._tasks.spawn(self._do_pause("coordinator", None))
+        elif isinstance(message, protocol.Resume):
+            if self._pause is not None and self._pause.reason == "coordinator":  # lifts only its own pause
+                self._tasks.spawn(self._do_resume())
+        elif isinstance(message, protocol.Update):
+            self._tasks.spawn(self._offer_update(message))
+        elif isinstance(message, protocol.Error):
+            log.warning("coordinator reported an error: %s %s (ref %s)", message.code, message.message, message.ref)
+
+    # --- assignment and engines ------------------------------------------------------------
+
+    async def _assign(self, assign: protocol.Assign) -> None:
+        """Plan (which validates every argument and the source) before anything stops; provision
+        the new model while the old engines keep serving; only then drain them and start anew.
+        `plan` runs in a thread: the loop keeps relaying while a large assignment is checked."""
+        assert self._engines_lock is not None and self.machine is not None
+        async with self._engines_lock:
+            if assign == self._assignment and self._engines and self._node_state() != "failed":
+                await self._news.send_status(force=True)  # re-sent after a reconnect: keep serving, no reload
+                return
+            result = await asyncio.to_thread(plan, self.machine, assign, self.settings, first_port=self._first_port)
+            if isinstance(result, Refusal):
+                if not self._engines.serving():
+                    self._assignment = assign
+                await self._refuse(assign.assignment_id, result.reason)
+                return
+            log.info(
+                "assignment %s: %s on %s (%s)",
+                assign.assignment_id,
+                assign.model.name,
+                result.engine,
+                ", ".join(f"{e.engine_id} {e.layout} gpus={list(e.gpu_indices)} tier={e.tier}" for e in result.engines),
+            )
+            for warning in result.warnings:
+                log.warning("assignment %s: %s", assign.assignment_id, warning)
+            engine_plans: list[EnginePlan] | None = None
+            if not self._pause:
+                try:
+                    engine_plans = await self._provision_tracked(result)
+                except ProvisionError as exc:
+                    if self._engines.serving():
+                        await self._refuse(assign.assignment_id, exc.problem.message)
+                        return
+                    await self._drain_and_stop()
+                    await self._adopt(assign, result, self._provision_failed(exc))
+                    return
+            await self._drain_and_stop()
+            await self._adopt(assign, result, None)
+            if engine_plans is not None:
+                await self._launch(engine_plans)
+
+    async def _adopt(self, assign: protocol.Assign, accepted: Plan | None, problem: Problem | None) -> None:
+        """`assign` is now the node's assignment (its engines not started yet)."""
+        self._assignment = assign
+        self._plan = accepted
+        self._problem = problem
+        self._refused = None
+        self.state.last_assignment = assign.model_dump()
+        await asyncio.to_thread(save_state, self.paths, self.state)
+        await self._news.send_status(force=True)
+
+    async def _refuse(self, assignment_id: str, reason: str) -> None:
+        """A new assignment this node will not run: the one serving keeps serving, and `status`
+        says what was refused and why; a node with nothing else to serve reports `failed`."""
+        log.warning("assignment %s refused: %s", assignment_id, reason)
+        self._refused = protocol.Refused(assignment_id=assignment_id, reason=reason)
+        if not self._engines.serving():
+            await self._drain_and_stop()
+            self._plan = None
+            self._problem = Problem("Assignment refused", reason, "none")
+            if self._assignment is not None and self._assignment.assignment_id != assignment_id:
+                self._assignment = None  # the old one no longer runs; the refused one is in `refused`
+        await self._news.send_status(force=True)
+
+    async def _on_bad_message(self, error: protocol.BadMessage) -> None:
+        """An `assign` that does not even fit the schema (a tier key of "²") is refused like any other."""
+        if error.message_type == "assign":
+            self._tasks.spawn(self._refuse_locked(error.ref or "(no assignment_id)", str(error)))
+
+    async def _refuse_locked(self, assignment_id: str, reason: str) -> None:
+        assert self._engines_lock is not None
+        async with self._engines_lock:  # never from the link's reader: an assign may hold the lock for minutes
+            await self._refuse(assignment_id, reason)
+
+    async def _unassign(self) -> None:
+        assert self._engines_lock is not None
+        async with self._engines_lock:
+            await self._drain_and_stop()
+            self._assignment = None
+            self._plan = None
+            self._problem = None
+            self._refused = None
+            await self._news.send_status(force=True)
+
+    async def _start_engines(self) -> None:
+        """Provision and start the current plan (after a resume, or a retry)."""
+        assert self._plan is not None
+        self._problem = None  # a retry (after a resume) must not keep showing the last failure
+        try:
+            engine_plans = await self._provision_tracked(self._plan)
+        except ProvisionError as exc:
+            self._problem = self._provision_failed(exc)
+            return
+        await self._launch(engine_plans)
+
+    def _provision_failed(self, exc: ProvisionError) -> Problem:
+        """The problem to show; one the network caused is tried again by itself, later each time."""
+        if not network_failure(exc):
+            return provision_problem(exc.problem)
+        return offline_problem(exc.problem, self._offline_retry.schedule(lambda: self._try_again(by_hand=False)))
+
+    async def _try_again(self, by_hand: bool = True) -> None:
+        """What failed, again now: the engines that gave up (fresh, their counts reset), or the
+        plan's provisioning; `by_hand` (the person's Retry) also the link, the backoff started over."""
+        assert self._engines_lock is not None
+        if by_hand:
+            self._uplink.reconnect_now()
+        async with self._engines_lock:
+            if by_hand:
+                self._offline_retry.reset()
+            if self._plan is None or self._pause is not None:
+                return
+            if self._engines:
+                await self._engines.restart_failed()
+            else:
+                await self._start_engines()
+            await self._news.send_status(force=True)
+
+    async def _provision_tracked(self, current: Plan) -> list[EnginePlan]:
+        """`provision`, published first and its failure logged; raises `ProvisionError`."""
+        assert self.machine is not None
+        self._news.publish()
+        try:
+            engine_plans = await provision(current, self.machine, self.paths, self.settings, self._news.on_download,
+                                           engine_bins=self._engine_bins)
+        except ProvisionError as exc:
+            log.error("%s: %s", exc.problem.title, exc.problem.message)
+            raise
+        self._offline_retry.reset()
+        return engine_plans
+
+    async def _launch(self, engine_plans: list[EnginePlan]) -> None:
+        await self._engines.launch(engine_plans)
+        self._news.publish()
+
+    async def _remeasure_memory(self, engine_plan: EnginePlan) -> float | None:
+        """The memory share to start the plan's engine with after vLLM found a card's memory held
+        (`GpuWatch.memory_share`); None where the cards cannot be read."""
+        if self.machine is None:
+            return None
+        return await self._gpus.memory_share(self.machine, engine_plan, self.settings)
+
+    async def _drain_and_stop(self) -> None:
+        if not self._engines:
+            return
+        self._draining = True
+        try:
+            await self._relay.drain(DRAIN_S, "paused" if self._pause else "draining")
+            await self._stop_engines()
+        finally:
+            self._draining = False
+
+    async def _stop_engines(self) -> None:
+        for engine_id in await self._engines.stop_all():
+            self._metering.forget(engine_id)
+        self._news.publish()
+
+    def _on_engine_change(self, snap: EngineSnapshot, reason: str) -> None:
+        sup = self._engines.get(snap.engine_id)
+        if snap.state == "ready" and sup is not None and sup.run_id is not None:
+            self._metering.start_run(snap.engine_id, sup.run_id)
+        elif snap.state in ("starting", "failed", "stopped"):
+            self._metering.forget(snap.engine_id)
+        self._news.publish()  # serving, failing and pausing speak through the state (app/notify.py), not notices
+        if self._tasks.loop:
+            self._tasks.spawn(self._news.send_status())
+
+    # --- pause ----------------------------------------------------------------------------
+
+    async def _do_pause(self, reason: str, until: float | None, detail: str | None = None) -> None:
+        assert self._engines_lock is not None
+        self._pause = Pause(reason, until, detail)
+        self.state.paused, self.state.pause_until = reason in ("user", "timed"), until
+        await asyncio.to_thread(save_state, self.paths, self.state)
+        log.info("paused (%s)%s", reason, f" until {time.ctime(until)}" if until else "")
+        await self._news.send_status(force=True)
+        async with self._engines_lock:
+            await self._drain_and_stop()
+        await self._news.send_status(force=True)
+
+    async def _do_resume(self) -> None:
+        assert self._engines_lock is not None
+        async with self._engines_lock:  # after a pause still stopping the engines, or "ready" would be a lie
+            if self._pause is None:
+                return
+            self._pause = None
+            self.state.paused, self.state.pause_until = False, None
+            await asyncio.to_thread(save_state, self.paths, self.state)
+            log.info("resumed")
+            await self._news.send_status(force=True)
+            if self._plan and not self._engines:
+                await self._start_engines()
+
+    def _set_settings(self, settings: Settings) -> None:
+        switched = settings.coordinator_url != self.settings.coordinator_url
+        self.settings = settings
+        if self._updater:
+            self._updater.apply_settings(settings)
+        if switched and self.machine is not None:
+            self._tasks.spawn(self._switch_network(settings.coordinator_url))
+        elif switched:  # still detecting: the link is not open yet and opens on the new network
+            self._uplink.url = settings.coordinator_url
+
+    def _autopause(self) -> AutoPauser:
+        """Pauses for games: GPU users that are not the app's (vLLM's workers are its engine's children)."""
+        return AutoPauser(self, lambda: self.settings, lambda: self._gpus.processes_besides(self._engines.own_pids))
+
+    # --- the relay's gate, and the terms of what it meters ----------------------------------
+
+    def _gate(self) -> Literal["paused", "draining", "not_ready"] | None:
+        if self._pause is not None:
+            return "paused"
+        if self._draining:
+            return "draining"
+        if not self._engines.ready_targets():
+            return "not_ready"
+        return None
+
+    def _terms(self) -> tuple[str, protocol.Price] | None:
+        """What a finished generation earns under: the planned model at the coordinator's price."""
+        if self._plan is None:
+            return None
+        return self._plan.model_name, self._welcome.price if self._welcome else protocol.Price()
+
+    # --- status and snapshots ----------------------------------------------------------------
+
+    def _node_state(self) -> NodeState:
+        """A problem the node retries by itself (the network is down) is no failure yet."""
+        gave_up = self._problem is not None and self._problem.retry_at is None
+        return node_state(paused=self._pause is not None, assigned=self._assignment is not None,
+                          planned=self._plan is not None, problem=gave_up,
+                          engines=self._engines.states())
+
+    def _status(self) -> protocol.Status:
+        return build_status(state=self._node_state(), assignment=self._assignment, problem=self._problem,
+                            refused=self._refused, engines=self._engines.snapshots(),
+                            figures=self._metering.figures(), gpus=self._gpus.samples.values(),
+                            in_flight=self._in_flight())
+
+    async def _ticker(self) -> None:
+        last_heartbeat = self._monotonic()
+        while True:
+            await asyncio.sleep(TICK_S)
+            await self._sample()
+            if self._pause and self._pause.until and self._clock() >= self._pause.until:
+                self._tasks.spawn(self._do_resume())
+            heartbeat = self._welcome.heartbeat_s if self._welcome else 10.0
+            beat = self._monotonic() - last_heartbeat >= heartbeat
+            if beat:
+                last_heartbeat = self._monotonic()
+            await self._news.tick(heartbeat=beat)
+
+    async def _sample(self) -> None:
+        """GPU telemetry, energy, engine /metrics and chart history, once a second, off the loop."""
+        now = self._clock()
+        joules = await self._gpus.sample(now)
+        if joules and len(self._engines):  # serving's electricity: none while paused (a game's is the player's)
+            self._books.add_energy(joules, now, self.settings.electricity_price_per_kwh, self.settings.currency)
+        await self._metering.scrape(self._engines.ready_targets(), busy=self._in_flight() > 0)
+        rows = chart_points(self._metering.figures(), self._metering.mean_kv_usage(), self._gpus.samples.values())
+        if self._books.add_samples(rows, now):
+            await asyncio.to_thread(self._books.flush, now)
+
+    def _build_snapshot(self) -> NodeSnapshot:
+        started = hasattr(self, "state")  # loaded when the node starts running
+        return build_snapshot(
+            at=self._clock(),
+            state=self._node_state() if started else "idle",
+            node_id=self.state.node_id if started else "",
+            machine=self.machine,
+            lent=self.settings.gpus_to_lend,
+            gpu_samples=self._gpus.samples,
+            pause=self._pause,
+            assignment=self._assignment,
+            problem=self._problem or self._engines.problem() or self._uplink.connection.problem,
+            engines=self._engines.snapshots(),
+            metrics=self._metering.latest,
+            throughput=self._metering.throughput(self.machine, self._plan),
+            connection=self._uplink.connection,
+            downloads=self._news.downloads.values(),
+            in_flight=self._in_flight(),
+            notices=self._news.notices,
+            earnings=self._books.earnings,
+            last_capacity=self._metering.last_capacity,
+            stopping=self._quitting,
+            update_ready=self._updater.ready_version if self._updater else None,
+        )
+
+    # --- updates --------------------------------------------------------------------------
+
+    async def _offer_update(self, update: protocol.Update) -> None:
+        log.info("update %s offered by the coordinator", update.version)
+        if self._updater:
+            await self._updater.offer(update)
+
+    def install_update_now(self) -> None:
+        """The user's "install now": applies a staged update without waiting for idle."""
+        if self._updater:
+            updater = self._updater
+            self._tasks.call(lambda: self._tasks.spawn(updater.install_now()))
+
+    def _on_update_status(self, status: UpdateStatus) -> None:
+        """Installed and rolled-back updates become notifications; refusals stay in the log. One
+        ready to install shows as `update_ready` (the app says so, and offers the restart)."""
+        if status.phase == "installed":
+            self._news.notice(f"Update {status.version} installed")
+        elif status.phase == "rolled_back":
+            self._news.notice(f"Update {status.version} was rolled back: {status.message}")
+        self._news.publish()
+
+    def _in_flight(self) -> int:
+        return self._relay.in_flight
+
+    async def _stop_serving(self) -> None:
+        """Before an update swaps the install: requests drained, engines gone, link closed and the
+        data folder given up, so that the new version can own it. The engines lock stays held until
+        `_resume_serving` (or the exit): no assign or resume starts an engine during the handover."""
+        assert self._engines_lock is not None
+        await self._engines_lock.acquire()
+        await self._drain_and_stop()
+        await self._uplink.close()
+        self._owner.release()
+
+    async def _resume_serving(self) -> None:
+        """After a rolled-back (or refused) update: own the data folder again, reconnect, and start
+        the engines again. Another copy that took the folder meanwhile keeps it; this one stops."""
+        assert self._engines_lock is not None
+        handed_over = not self._owner.held  # else stopping failed half-way: the local coordinator still runs
+        try:
+            try:
+                self._owner.acquire()
+            except DataFolderInUse as exc:
+                log.error("after the update was rolled back, another copy owns the data folder: %s", exc)
+                self.shutdown()
+                return
+            if await self._uplink.reopen(local_stopped=handed_over):
+                self._run_link()
+            if self._plan and not self._pause and not self._engines:
+                await self._start_engines()
+        finally:
+            self._engines_lock.release()
+
+    def _exit_for_update(self) -> None:
+        self.shutdown()

@@ -1,0 +1,140 @@
+"""`gpu-provider status`: the running node's latest snapshot, through its status file.
+
+The node writes `run/status.json` through `StatusFile` whenever more than the clock changed, and
+every `STATUS_FILE_S` regardless; `read_status` reads it, checks that the process that wrote it
+is still alive, adds local mode's endpoint (its address and key) when the node runs in local
+mode, and `status_table` formats it for people. Neither follows a link in the data folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import psutil
+
+from worker import __version__
+from worker.system.config import Paths, read_local_endpoint, read_private_text, write_private_text
+from worker.contract.events import NodeSnapshot
+
+STATUS_FILE_S = 10.0  # `gpu-provider status` reads at most this stale a clock
+
+
+class StatusFile:
+    """The node's side of the file: when to rewrite it, and the writing. Only while the node owns
+    the data folder (`owned`): during an update hand-over the new version does, and the file."""
+
+    def __init__(self, paths: Paths, owned: Callable[[], bool],
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._path = paths.status_file
+        self._owned = owned
+        self._monotonic = monotonic
+        self._written: NodeSnapshot | None = None  # without its clock
+        self._written_at = float("-inf")
+
+    def due(self, snap: NodeSnapshot | None) -> bool:
+        """Rewrite when more than the clock changed, else every `STATUS_FILE_S`."""
+        if snap is None:
+            return False
+        visible = snap.without_clock()
+        due = visible != self._written or self._monotonic() - self._written_at >= STATUS_FILE_S
+        if due:
+            self._written, self._written_at = visible, self._monotonic()
+        return due
+
+    def write(self, snap: NodeSnapshot | None) -> None:
+        """0600, like every file the app writes, and replaced whole (a reader never sees half); a
+        link planted at its path is replaced, never written through."""
+        if snap is None or not self._owned():
+            return
+        data = {"pid": os.getpid(), "version": __version__, "snapshot": asdict(snap)}
+        write_private_text(self._path, json.dumps(data, default=str))
+
+    def remove(self) -> None:
+        """The node stopped: no file says it runs (unless the folder is another version's now)."""
+        if self._owned():
+            self._path.unlink(missing_ok=True)
+
+
+def read_status(paths: Paths) -> dict[str, Any] | None:
+    """The snapshot as JSON, or None when no node is running for this data folder. In local mode
+    `local_endpoint` has the endpoint's `url` and `key`."""
+    try:
+        data = json.loads(read_private_text(paths.status_file))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    pid = data.get("pid")
+    if not isinstance(pid, int) or not psutil.pid_exists(pid):
+        return None
+    endpoint = read_local_endpoint(paths)
+    if endpoint is not None and endpoint.serves(_coordinator_url(data)):
+        data["local_endpoint"] = {"url": endpoint.url, "key": endpoint.key}
+    return data
+
+
+def _coordinator_url(data: dict[str, Any]) -> str:
+    snapshot = data.get("snapshot")
+    connection = snapshot.get("connection") if isinstance(snapshot, dict) else None
+    url = connection.get("coordinator_url") if isinstance(connection, dict) else None
+    return url if isinstance(url, str) else ""
+
+
+def _num(value: Any, unit: str = "", digits: int = 1) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}{unit}"
+    return f"{value:,}{unit}"
+
+
+def status_table(data: dict[str, Any]) -> str:
+    snap = data["snapshot"]
+    lines = [
+        f"gpu-provider {data.get('version', '?')} (pid {data['pid']})",
+        f"  state       {snap['state']}" + (f" ({snap['pause_reason']})" if snap.get("paused") else ""),
+        f"  coordinator {snap['connection']['coordinator_url']} — {snap['connection']['state']}",
+        f"  model       {snap.get('model') or '—'}",
+        f"  in flight   {snap.get('in_flight', 0)}",
+    ]
+    if snap.get("problem"):
+        lines.append(f"  problem     {snap['problem']['title']}: {snap['problem']['message']}")
+    if data.get("local_endpoint"):
+        local = data["local_endpoint"]
+        lines += [f"  local API   {local['url']}   (programs on this computer only)",
+                  f"  API key     {local['key']}   (send it as: Authorization: Bearer KEY)"]
+    t = snap["throughput"]
+    lines += [
+        "throughput (current run)",
+        f"  tokens/s    {_num(t['tokens_per_s'])}   per request {_num(t['per_request_tokens_per_s'])}"
+        f"   TTFT p50 {_num(t['ttft_p50_s'], ' s', 3)}",
+        f"  requests    {t['requests']}   tokens {t['run_tokens']:,}   run {t['run_seconds']:.0f} s",
+    ]
+    for e in snap.get("engines", []):
+        ctx = e["context"]
+        lines += [
+            f"engine {e['engine_id']} ({e['engine']}, {e['layout']}, GPUs {e['gpu_indices'] or 'none'}): {e['state']}",
+            f"  KV cache    {_num(e['kv_cache_tokens'])} tokens, {_num(e['kv_cache_gib'], ' GiB', 2)},"
+            f" max concurrency {_num(e['max_concurrency'], 'x', 2)}",
+            f"  context     requested {_num(ctx['requested'])}, declared {_num(ctx['declared'])},"
+            f" physical {_num(ctx['physical'])}",
+            f"  tier        {e['tier'] or 'base arguments'}   restarts {e['restarts']}"
+            + (f"   last error: {e['last_error']}" if e.get("last_error") else ""),
+        ]
+    for g in snap.get("gpus", []):
+        lines.append(
+            f"GPU {g['index']} {g['name']}: {_num(g['memory_usable_mib'])} of {_num(g['memory_total_mib'])} MiB usable,"
+            f" util {_num(g['util_pct'], ' %', 0)}, {_num(g['power_w'], ' W', 0)}, {_num(g['temperature_c'], ' °C', 0)}"
+        )
+    e = snap["earnings"]
+    lines += [
+        f"earnings ({e['currency']})",
+        f"  today {e['today']:.4f} − electricity {e['energy_cost_today']:.4f};"
+        f" week {e['week']:.4f}; all time {e['all_time']:.4f}",
+    ]
+    return "\n".join(lines)
