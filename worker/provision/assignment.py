@@ -25,9 +25,9 @@ from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.provision.progress import ProgressCallback
 from worker.provision.releases import SHIPPED
-from worker.serve.restart_policy import RestartBackoff
+from worker.system.backoff import DoublingBackoff
 
-OFFLINE_BACKOFF = RestartBackoff(initial_s=15.0, maximum_s=600.0)  # 15 s doubling to 10 min
+OFFLINE_BACKOFF = DoublingBackoff(initial_s=15.0, maximum_s=600.0)  # 15 s doubling to 10 min
 
 
 async def provision(current: Plan, machine: Machine, paths: Paths, settings: Settings, on_progress: ProgressCallback,
@@ -108,7 +108,7 @@ class OfflineRetry:
     """When a provisioning the network cut short runs again: after `backoff`'s delay for the
     failures in a row so far; one wait at a time, which `reset` (a success, a Retry) ends."""
 
-    def __init__(self, spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]], backoff: RestartBackoff = OFFLINE_BACKOFF,
+    def __init__(self, spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]], backoff: DoublingBackoff = OFFLINE_BACKOFF,
                  *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                  clock: Callable[[], float] = time.time) -> None:
         """`spawn` runs a coroutine as the node's task (cancelled with the others at the end)."""

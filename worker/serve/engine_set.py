@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import Protocol
 
 import httpx
 import psutil
@@ -16,7 +17,7 @@ import psutil
 from worker.system.config import Paths
 from worker.serve.diagnosis import engine_problem
 from worker.contract.events import EngineSnapshot, NodeState, Problem
-from worker.measure.gpu_watch import GpuWatch
+from worker.hardware import NvmlSource
 from worker.plan.planner import EnginePlan
 from worker.system.ports import free_first_port
 from worker.relay.forward import EngineTarget
@@ -24,11 +25,21 @@ from worker.serve.restart_policy import Ended, RequestCrashes, RestartBackoff, S
 from worker.serve.supervisor import EngineSupervisor, EventCallback, Remeasure
 
 
+class GpuMemory(Protocol):
+    """What the engine set asks of the node's GPUs (`worker.measure.gpu_watch.GpuWatch`, which
+    measures above this stage): whether NVML reads them, and whether processes still hold memory."""
+
+    @property
+    def nvml(self) -> NvmlSource | None: ...
+
+    def released(self, pids: Collection[int]) -> bool: ...
+
+
 class EngineSet:
     """The running supervisors by engine id, and the HTTP client of the engines on a TCP port
     (one on a Unix socket has its own)."""
 
-    def __init__(self, paths: Paths, gpus: GpuWatch, *, on_event: EventCallback, remeasure: Remeasure) -> None:
+    def __init__(self, paths: Paths, gpus: GpuMemory, *, on_event: EventCallback, remeasure: Remeasure) -> None:
         self._paths = paths
         self._gpus = gpus
         self._on_event = on_event

@@ -40,6 +40,7 @@ from worker.engines.base import (
 )
 from worker.contract.events import EngineSnapshot
 from worker.plan.planner import EnginePlan
+from worker.system.backoff import DoublingBackoff
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +57,7 @@ REQUEST_CRASH_LIMIT = 3
 REQUEST_CRASH_WINDOW_S = 600.0
 
 
-@dataclass(frozen=True)
-class RestartBackoff:
-    """Delay before the n-th restart in a row: `initial_s` doubling up to `maximum_s`."""
-
-    initial_s: float = 2.0
-    maximum_s: float = 300.0
-    factor: float = 2.0
-
-    def delay(self, failures_in_a_row: int) -> float:
-        return min(self.maximum_s, self.initial_s * self.factor ** max(0, failures_in_a_row - 1))
+RestartBackoff = DoublingBackoff  # delay before the n-th restart in a row
 
 
 @dataclass(frozen=True)
