@@ -188,7 +188,7 @@ async def scrape(
     except httpx.HTTPError as exc:
         raise MetricsUnavailable(f"could not read {url}: {exc!r}; is the engine running?") from None
     if response.status_code == 501:
-        raise MetricsUnavailable(f"{url} is switched off (501); llama-server must be started with --metrics")
+        raise MetricsUnavailable(f"{url} is switched off (501); the engine was started without its metrics switch")
     if response.status_code in (401, 403):
         raise MetricsUnavailable(f"{url} refused the API key ({response.status_code}); pass the engine's key")
     if response.status_code != 200:

@@ -189,11 +189,11 @@ async def test_scrape_of_vllm_sends_no_key() -> None:
     assert b"authorization" not in (await heads.get()).lower()
 
 
-async def test_scrape_of_llamacpp_without_metrics_says_to_add_the_flag() -> None:
+async def test_scrape_of_an_engine_without_metrics_says_it_is_switched_off() -> None:
     heads: asyncio.Queue[bytes] = asyncio.Queue()
     server, url = await serve_once(heads, http_response("501 Not Implemented", '{"error":{"code":501}}'))
     async with server, httpx.AsyncClient() as http:
-        with pytest.raises(MetricsUnavailable, match="--metrics"):
+        with pytest.raises(MetricsUnavailable, match="switched off .*metrics switch"):
             await scrape(http, url)
 
 
