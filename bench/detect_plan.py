@@ -24,12 +24,13 @@ ASSIGN = protocol.Assign.model_validate({"assignment_id": "bench-1", "model": {
 
 
 def _detect_and_plan() -> float:
+    from worker.engines.finding import Finder
     from worker.hardware import detect
     from worker.plan.planner import plan
 
     started = time.perf_counter()
     settings = Settings()
-    plan(detect(settings), ASSIGN, settings)
+    plan(detect(settings, Finder()), ASSIGN, settings)
     return time.perf_counter() - started
 
 

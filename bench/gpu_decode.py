@@ -28,6 +28,7 @@ from bench.report import RESULTS, machine_description
 from worker.contract import protocol
 from worker.node.cli import parse_engine_bins
 from worker.system.config import Paths, Settings, load_settings
+from worker.engines.finding import Finder
 from worker.hardware import Machine, detect
 from worker.measure.runs import roofline
 from worker.plan.planner import EnginePlan, Refusal, plan
@@ -80,7 +81,7 @@ def _machine(args: argparse.Namespace, settings: Settings) -> Machine:
     """NVML's view of this machine; `--hardware` (a `detect` output) for a dry run without a GPU."""
     if args.hardware:
         return Machine.from_detect_json(json.loads(Path(args.hardware).read_text(encoding="utf-8")))
-    return detect(settings, engine_bins=parse_engine_bins(args.engine_bin))
+    return detect(settings, Finder(parse_engine_bins(args.engine_bin)))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

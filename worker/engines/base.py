@@ -16,8 +16,7 @@ from worker.contract.events import EngineSnapshot, StartPhase
 
 if TYPE_CHECKING:  # the hardware and provision packages import the engines, never the other way
     from worker.engines.layout import Unit
-    from worker.hardware.installed import VersionRunner
-    from worker.hardware.model import EngineInstall, Machine
+    from worker.hardware.model import EngineInstall, GpuGroup, Machine
     from worker.provision.releases import Releases
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -152,6 +151,8 @@ class Endpoint:
 
 ModelFormat = Literal["folder", "gguf"]  # a model folder (config.json) or Hugging Face repo; one GGUF file
 SeriesLabels = Callable[[str], list[Mapping[str, str]]]  # the label sets of one /metrics family, by name
+# A bounded version probe: (argv, timeout in seconds, environment or None for the app's) → its output, or None.
+VersionRunner = Callable[[list[str], float, Union[Mapping[str, str], None]], Union[str, None]]
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,15 @@ class StartCheck(Protocol):
 
     def start_problem(self, model_path: str, runs: Sequence[Run], room: Room) -> str | None:
         """Why one of `runs` would not fit `room` (what, and by how much), or None."""
+
+
+@runtime_checkable
+class GpuGroups(Protocol):
+    """An adapter serving NVIDIA cards on Linux (`native`, `wsl2` in its `RUNTIMES`) that can use
+    only some of them (vLLM: compute capability 7.5 or newer); the groups it serves name the
+    machine's runtime (`finding.drives`). One without this serves every group."""
+
+    def serves_group(self, group: GpuGroup) -> bool: ...
 
 
 def clean_line(line: str) -> str:

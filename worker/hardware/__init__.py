@@ -1,10 +1,11 @@
-"""Detect the machine: NVIDIA GPUs through NVML (replayable), runtime, Apple chip, CPU/RAM, engines."""
+"""Detect the machine: NVIDIA GPUs through NVML (replayable), runtime, Apple chip, CPU/RAM, and the
+engines the caller's `EngineFinder` finds (`worker.engines.finding.Finder`)."""
 
 from __future__ import annotations
 
-from worker.hardware.detect import build_machine, detect, group_gpus, usable_mib
+from worker.hardware.detect import EngineFinder, build_machine, detect, group_gpus, usable_mib
 from worker.hardware.host import AppleFacts, HostFacts, read_host
-from worker.hardware.model import EngineInstall, Gpu, GpuGroup, Machine
+from worker.hardware.model import IN_WSL, EngineInstall, Gpu, GpuGroup, Machine
 from worker.hardware.nvml import (
     GpuProcess,
     GpuSample,
@@ -18,12 +19,14 @@ from worker.hardware.replay import RecordingSource, ReplaySource, load_reading
 
 __all__ = [
     "AppleFacts",
+    "EngineFinder",
     "EngineInstall",
     "Gpu",
     "GpuGroup",
     "GpuProcess",
     "GpuSample",
     "HostFacts",
+    "IN_WSL",
     "Machine",
     "NvmlError",
     "NvmlSource",

@@ -1,22 +1,33 @@
-"""Turn readings (NVML, host, installed engines) into a `Machine`: runtime, usable memory, groups.
+"""Turn readings (NVML, host) and the engines found into a `Machine`: runtime, usable memory, groups.
 
-The readers live at the edge (`nvml.py`, `host.py`, `installed.py`); everything here is pure
-arithmetic over what they returned, so a recorded reading replays through the same code.
+The readers live at the edge (`nvml.py`, `host.py`); the engines are found by the caller's
+`EngineFinder` (the engines package sits above this one, so it is handed in, never imported).
+Everything here is pure arithmetic over what they returned, so a recorded reading replays
+through the same code.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.system.config import Settings
-from worker.engines.vllm import serves_group as runs_vllm  # the runtime is named for where vLLM runs
 from worker.hardware.host import HostFacts, read_host
-from worker.hardware.installed import VersionRunner, find_engines, run_for_version
 from worker.hardware.model import EngineInstall, Gpu, GpuGroup, Machine
 from worker.hardware.nvml import GpuReading, NvidiaReading, NvmlSource, PynvmlSource, find_wsl_nvml_library, read_nvidia
 
 if TYPE_CHECKING:
     from worker.contract.protocol import Runtime
+
+
+class EngineFinder(Protocol):
+    """The engines' part of detection (`worker.engines.finding.Finder`): which engines this
+    machine has, and whether one of them that serves NVIDIA cards on Linux runs on a group (on
+    Windows: installed inside WSL2), which is what names the runtime `native` or `wsl2`."""
+
+    def find(self, system: str) -> dict[str, EngineInstall]: ...
+
+    def drives(self, group: GpuGroup, found: Mapping[str, EngineInstall], system: str) -> bool: ...
 
 
 def usable_mib(free_mib: int, settings: Settings) -> int:
@@ -37,28 +48,29 @@ def usable_mib(free_mib: int, settings: Settings) -> int:
 
 def detect(
     settings: Settings,
+    engines: EngineFinder,
     *,
     nvml: NvmlSource | None = None,
     host: HostFacts | None = None,
-    engine_bins: Mapping[str, str] | None = None,
-    engine_runner: VersionRunner = run_for_version,
 ) -> Machine:
     """This machine as the network should see it. Blocking (NVML, small probes): run in a thread."""
     facts = host or read_host()
     if nvml is None:
         nvml = PynvmlSource(library=find_wsl_nvml_library() if facts.is_wsl2 else None)
     reading = read_nvidia(nvml) if facts.apple is None else NvidiaReading()
-    engines = find_engines(facts.system, engine_bins, engine_runner)
-    return build_machine(facts, reading, engines, settings)
+    found = engines.find(facts.system)
+    return build_machine(facts, reading, found, settings, lambda group: engines.drives(group, found, facts.system))
 
 
 def build_machine(
-    facts: HostFacts, reading: NvidiaReading, engines: dict[str, EngineInstall], settings: Settings
+    facts: HostFacts, reading: NvidiaReading, engines: dict[str, EngineInstall], settings: Settings,
+    drives: Callable[[GpuGroup], bool],
 ) -> Machine:
+    """`drives`: whether an engine found here runs on a group (`EngineFinder.drives`)."""
     lend = None if settings.gpus_to_lend is None else set(settings.gpus_to_lend)
     gpus = tuple(_gpu(r, settings, lend) for r in reading.gpus)
     groups = group_gpus(gpus)
-    runtime = _runtime(facts, groups, engines)
+    runtime = _runtime(facts, groups, drives)
     problems = [reading.problem] if reading.problem else []
     problems += [f"GPU {g.index}: {e}" for g in gpus for e in g.errors]
     if facts.apple is not None:
@@ -152,14 +164,15 @@ def _group(members: list[Gpu]) -> GpuGroup:
     )
 
 
-def _runtime(facts: HostFacts, groups: tuple[GpuGroup, ...], engines: dict[str, EngineInstall]) -> Runtime:
+def _runtime(facts: HostFacts, groups: tuple[GpuGroup, ...], drives: Callable[[GpuGroup], bool]) -> Runtime:
+    """Named for where an engine runs: an NVIDIA group that an engine found drives makes `native`
+    (`wsl2` under WSL2, or on Windows where that engine is inside WSL2); else `apple-silicon`,
+    `windows` with a card lent, or `cpu`."""
     if facts.apple is not None:
         return "apple-silicon"
+    linux_gpu = any(drives(g) for g in groups)
     if facts.system == "Windows":
-        vllm_in_wsl = engines.get("vllm", EngineInstall(None)).path == "wsl"
-        if vllm_in_wsl and any(runs_vllm(g) for g in groups):
-            return "wsl2"
-        return "windows" if groups else "cpu"
-    if any(runs_vllm(g) for g in groups):
+        return "wsl2" if linux_gpu else "windows" if groups else "cpu"
+    if linux_gpu:
         return "wsl2" if facts.is_wsl2 else "native"
     return "cpu"

@@ -16,7 +16,7 @@ from typing import Callable
 
 import psutil
 
-from worker.engines.base import child_environment
+from worker.system.secrets import ENV_VAR as TOKEN_VARIABLE
 
 MIB = 1024 * 1024
 APPLE_WORKING_SET_SHARE = 0.75  # Metal's recommendedMaxWorkingSetSize on Apple Silicon, ≈ 75 % of RAM
@@ -82,10 +82,11 @@ def _optional_int(value: object) -> int | None:
 
 
 def run_quietly(argv: list[str], timeout_s: float) -> str | None:
-    """Run a probe (argv list, never a shell) and return its stdout, or None when it fails or hangs."""
+    """Run a probe (argv list, never a shell) and return its stdout, or None when it fails or hangs.
+    The probe (sysctl, nvidia-smi) is no engine: it gets the app's environment without the token."""
+    env = {name: value for name, value in os.environ.items() if name != TOKEN_VARIABLE}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False,
-                              env=child_environment(os.environ))  # no token for nvidia-smi & co.
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None

@@ -61,9 +61,13 @@ class GpuGroup:
         return self.usable_mib_per_gpu * len(self.gpu_indices)
 
 
+IN_WSL = "wsl"  # `EngineInstall.path` of an engine found inside WSL2 from Windows
+
+
 @dataclass(frozen=True)
 class EngineInstall:
-    """An engine found on this machine: its version and, where known, how to run it."""
+    """An engine found on this machine: its version and, where known, how to run it (`IN_WSL`:
+    inside WSL2)."""
 
     version: str | None
     path: str | None = None

@@ -1,7 +1,8 @@
 """`python -m worker.hardware.record > reading.json`: record this machine's readings as a fixture.
 
-Run it on a real GPU machine; the file replays through `detect` exactly as the live NVML would,
-telemetry, process lists and per-process utilisation included.
+Run it on a real GPU machine; the file replays through `detect` exactly as the live NVML would
+(it records what `detect` reads: `read_nvidia`), telemetry, process lists and per-process
+utilisation included.
 """
 
 from __future__ import annotations
@@ -9,17 +10,15 @@ from __future__ import annotations
 import json
 import sys
 
-from worker.system.config import Settings
-from worker.hardware.detect import detect
 from worker.hardware.host import read_host
-from worker.hardware.nvml import PynvmlSource, find_wsl_nvml_library, gpu_processes, sample_gpus
+from worker.hardware.nvml import PynvmlSource, find_wsl_nvml_library, gpu_processes, read_nvidia, sample_gpus
 from worker.hardware.replay import RecordingSource, reading_to_json
 
 
 def main() -> int:
     host = read_host()
     recorder = RecordingSource(PynvmlSource(library=find_wsl_nvml_library() if host.is_wsl2 else None))
-    detect(Settings(), nvml=recorder, host=host)
+    read_nvidia(recorder)
     sample_gpus(recorder)
     gpu_processes(recorder)
     json.dump(reading_to_json(host, recorder), sys.stdout, indent=2, sort_keys=True)

@@ -171,6 +171,7 @@ def _no_desktop_app() -> int:
 
 
 def run_detect(args: argparse.Namespace, settings: Settings) -> int:
+    from worker.engines.finding import Finder
     from worker.hardware import detect, load_reading
 
     try:
@@ -178,7 +179,7 @@ def run_detect(args: argparse.Namespace, settings: Settings) -> int:
         host, nvml = _load(args.reading, "reading", load_reading) if args.reading else (None, None)
     except InputError as exc:
         return _print_error(str(exc))
-    machine = detect(settings, host=host, nvml=nvml, engine_bins=engine_bins)
+    machine = detect(settings, Finder(engine_bins), host=host, nvml=nvml)
     if args.pretty:
         from worker.hardware.pretty import machine_table
 

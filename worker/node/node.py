@@ -238,12 +238,13 @@ class Node:
         self._status_file.remove()  # unless the new version owns the folder after an update
 
     def _detect(self) -> Machine:
+        from worker.engines.finding import Finder
         from worker.hardware import detect
 
         if self._hardware_override:
             data = json.loads(Path(self._hardware_override).read_text(encoding="utf-8"))
             return Machine.from_detect_json(data)
-        return detect(self.settings, nvml=self._gpus.nvml, engine_bins=self._engine_bins)
+        return detect(self.settings, Finder(self._engine_bins), nvml=self._gpus.nvml)
 
     # --- link -----------------------------------------------------------------------------
 

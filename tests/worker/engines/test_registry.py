@@ -17,7 +17,7 @@ from worker.node.cli import InputError, parse_engine_bins
 from worker.system.config import Paths, Settings
 from worker.engines import get_adapter, llamacpp, published_args, registry, vllm
 from worker.engines.base import EngineAdapter
-from worker.hardware.installed import find_engines
+from worker.engines.finding import find_engines
 from worker.measure.metrics import parse_metrics, scrape
 from worker.plan.planner import Plan, Refusal, plan
 from worker.provision.engine_install import ensure_engine

@@ -15,7 +15,7 @@ from worker.system.config import Settings
 from worker.engines import vllm
 from worker.engines.base import FreeMemoryShort
 from worker.hardware.host import read_engine_ram
-from worker.hardware.installed import find_vllm
+from worker.engines.vllm.find import find_vllm
 from worker.hardware.model import EngineInstall, Machine
 from worker.plan.planner import Plan, Refusal, plan
 

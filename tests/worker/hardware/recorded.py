@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from worker.engines.finding import Finder
 from worker.system.config import Settings
 from worker.hardware import Machine, detect, load_reading
 
@@ -16,9 +17,10 @@ def no_engine_probe(argv: list[str], timeout_s: float, env: object = None) -> st
 
 # Engines are looked for where none are, so a recorded machine reads the same wherever tests run.
 NO_ENGINES = {"vllm": "/nonexistent/bin/vllm", "llamacpp": "/nonexistent/bin/llama-server"}
+NO_ENGINE_FINDER = Finder(NO_ENGINES, no_engine_probe)
 
 
 def replay(name: str, settings: Settings | None = None) -> Machine:
     """Detect a recorded machine through the same code path as a live one."""
     host, nvml = load_reading(NVML_FIXTURES / name)
-    return detect(settings or Settings(), host=host, nvml=nvml, engine_bins=NO_ENGINES, engine_runner=no_engine_probe)
+    return detect(settings or Settings(), NO_ENGINE_FINDER, host=host, nvml=nvml)

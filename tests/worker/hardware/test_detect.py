@@ -6,10 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from tests.worker.hardware.recorded import NO_ENGINES, NVML_FIXTURES, no_engine_probe, replay
+from tests.worker.hardware.recorded import NO_ENGINE_FINDER, NVML_FIXTURES, replay
 from worker.contract import protocol
 from worker.system.config import Settings
 from worker.hardware import HostFacts, Machine, ReplaySource, detect, load_reading, usable_mib
+from worker.engines.finding import Finder
 from worker.hardware.host import AppleFacts, _read_apple
 
 # fixture: (runtime, groups as (indices, usable per GPU, p2p), effective VRAM)
@@ -118,7 +119,7 @@ def _h200_calls() -> dict:
 def test_mig_mode_gpu_is_not_lent():
     calls = _h200_calls() | {"mig_mode:0": 1}
     host, _ = load_reading(NVML_FIXTURES / "h200.json")
-    machine = detect(Settings(), host=host, nvml=ReplaySource(calls), engine_bins=NO_ENGINES, engine_runner=no_engine_probe)
+    machine = detect(Settings(), NO_ENGINE_FINDER, host=host, nvml=ReplaySource(calls))
     assert machine.gpus[0].mig_enabled and not machine.gpus[0].lent
     assert machine.runtime == "cpu"
     assert any("MIG mode is on" in p for p in machine.problems)
@@ -133,7 +134,7 @@ def test_mig_mode_gpu_is_not_lent():
 )
 def test_nvml_failures_leave_a_cpu_machine_with_the_reason(nvml, problem):
     host, _ = load_reading(NVML_FIXTURES / "rtx4090.json")
-    machine = detect(Settings(), host=host, nvml=nvml, engine_bins=NO_ENGINES, engine_runner=no_engine_probe)
+    machine = detect(Settings(), NO_ENGINE_FINDER, host=host, nvml=nvml)
     assert machine.runtime == "cpu" and machine.gpus == ()
     assert machine.problems == (problem,)
 
@@ -141,7 +142,7 @@ def test_nvml_failures_leave_a_cpu_machine_with_the_reason(nvml, problem):
 def test_old_gpu_does_not_make_a_vllm_runtime():
     calls = _h200_calls() | {"compute_capability:0": "6.1", "name:0": "NVIDIA GeForce GTX 1080 Ti"}
     host, _ = load_reading(NVML_FIXTURES / "h200.json")
-    machine = detect(Settings(), host=host, nvml=ReplaySource(calls), engine_bins=NO_ENGINES, engine_runner=no_engine_probe)
+    machine = detect(Settings(), NO_ENGINE_FINDER, host=host, nvml=ReplaySource(calls))
     assert machine.runtime == "cpu"
 
 
@@ -159,7 +160,7 @@ def test_windows_runtime_depends_on_vllm_inside_wsl(wsl_answer, runtime):
         return wsl_answer if argv[0] == "wsl.exe" else None
 
     _, nvml = load_reading(NVML_FIXTURES / "rtx4090.json")
-    machine = detect(Settings(), host=_windows_host(), nvml=nvml, engine_bins={}, engine_runner=probe)
+    machine = detect(Settings(), Finder({}, probe), host=_windows_host(), nvml=nvml)
     assert machine.runtime == runtime
     assert machine.os == "windows" and machine.arch == "x86_64"
     assert machine.engines["vllm"].version == (wsl_answer.strip() if wsl_answer else None)
@@ -168,8 +169,7 @@ def test_windows_runtime_depends_on_vllm_inside_wsl(wsl_answer, runtime):
 
 def test_windows_without_gpu_is_cpu():
     machine = detect(
-        Settings(), host=_windows_host(), nvml=ReplaySource({}, "NVML Shared Library Not Found"),
-        engine_bins=NO_ENGINES, engine_runner=no_engine_probe,
+        Settings(), NO_ENGINE_FINDER, host=_windows_host(), nvml=ReplaySource({}, "NVML Shared Library Not Found"),
     )
     assert machine.runtime == "cpu"
 
@@ -203,7 +203,7 @@ def test_from_detect_json_refuses_what_is_not_a_detect_output(bad):
 
 def test_live_detect_on_this_machine_is_fast():
     started = time.perf_counter()
-    machine = detect(Settings())
+    machine = detect(Settings(), Finder())
     elapsed = time.perf_counter() - started
     protocol.HardwareInfo.model_validate(machine.to_detect_json()["hardware"])
     assert machine.runtime in ("cpu", "native", "wsl2")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.worker.hardware.recorded import NO_ENGINES, NVML_FIXTURES, no_engine_probe
+from tests.worker.hardware.recorded import NO_ENGINE_FINDER, NVML_FIXTURES
 from worker.system.config import Settings
 from worker.hardware import (
     GpuProcess,
@@ -64,14 +64,14 @@ def test_replay_serves_recorded_errors_and_unrecorded_queries_as_not_supported()
 def test_a_recording_replays_to_the_same_machine(tmp_path):
     host, original = load_reading(NVML_FIXTURES / "rtx4090-rtx3060.json")
     recorder = RecordingSource(original)
-    first = detect(Settings(), host=host, nvml=recorder, engine_bins=NO_ENGINES, engine_runner=no_engine_probe)
+    first = detect(Settings(), NO_ENGINE_FINDER, host=host, nvml=recorder)
     sample_gpus(recorder)
     gpu_processes(recorder)
     path = tmp_path / "reading.json"
     path.write_text(json.dumps(reading_to_json(host, recorder)))
 
     host_again, replayed = load_reading(path)
-    second = detect(Settings(), host=host_again, nvml=replayed, engine_bins=NO_ENGINES, engine_runner=no_engine_probe)
+    second = detect(Settings(), NO_ENGINE_FINDER, host=host_again, nvml=replayed)
     assert second == first
     assert sample_gpus(replayed) == sample_gpus(load_reading(NVML_FIXTURES / "rtx4090-rtx3060.json")[1])
     assert recorder.calls["power_mw:1"] == {"error": "Unknown Error"}

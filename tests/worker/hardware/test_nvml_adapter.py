@@ -12,7 +12,7 @@ import pynvml
 import pytest
 
 from tests.support.fake_pynvml import FakeCard, FakeNvml, FakeProcess
-from tests.worker.hardware.recorded import NO_ENGINES, no_engine_probe
+from tests.worker.hardware.recorded import NO_ENGINE_FINDER
 from worker.system.config import Settings
 from worker.hardware import (
     GpuProcess,
@@ -40,7 +40,7 @@ def desktop_card(*extra: FakeProcess) -> FakeCard:
 
 
 def machine_of(fake: FakeNvml):
-    return detect(Settings(), nvml=PynvmlSource(), host=HOST, engine_bins=NO_ENGINES, engine_runner=no_engine_probe)
+    return detect(Settings(), NO_ENGINE_FINDER, nvml=PynvmlSource(), host=HOST)
 
 
 def test_detect_and_telemetry_read_two_geforce_cards_through_the_adapter(monkeypatch):

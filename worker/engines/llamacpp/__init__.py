@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from worker.engines import layout
-from worker.engines.base import Endpoint, Launch, ModelFormat, Room, Run, cuda_environment
+from worker.engines.base import Endpoint, Launch, ModelFormat, Room, Run, VersionRunner, cuda_environment
 from worker.engines.layout import Unit
 from worker.engines.llamacpp import args as llamacpp_args
 from worker.engines.llamacpp import memory
+from worker.engines.llamacpp.find import find_llama_server
 from worker.engines.llamacpp.log import parse_line
 from worker.engines.llamacpp.metrics import NAMES as METRIC_NAMES
 from worker.engines.llamacpp.metrics import PREFIX as METRICS_PREFIX
@@ -24,7 +25,6 @@ from worker.engines.llamacpp.ready import READS as READY_READS
 from worker.engines.llamacpp.ready import ready_snapshot
 
 if TYPE_CHECKING:
-    from worker.hardware.installed import VersionRunner
     from worker.hardware.model import EngineInstall, Machine
     from worker.provision.releases import Releases
 
@@ -108,8 +108,6 @@ def start_problem(model_path: str, runs: Sequence[Run], room: Room) -> str | Non
 
 
 def find_installed(system: str, where: str | None, run: VersionRunner) -> EngineInstall:
-    from worker.hardware.installed import find_llama_server  # hardware imports the engines: import when asked
-
     return find_llama_server(where, run)
 
 

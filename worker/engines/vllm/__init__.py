@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from worker.engines.base import Endpoint, Launch, ModelFormat, Slots, cuda_environment
+from worker.engines.base import Endpoint, Launch, ModelFormat, Slots, VersionRunner, cuda_environment
+from worker.engines.vllm.find import find_vllm
 from worker.engines.vllm import args as vllm_args
 from worker.engines.vllm.log import parse_line
 from worker.engines.vllm.metrics import NAMES as METRIC_NAMES
@@ -20,7 +21,6 @@ from worker.engines.vllm.planning import capacity, runtime_environment, serves_g
 from worker.contract.events import EngineSnapshot
 
 if TYPE_CHECKING:
-    from worker.hardware.installed import VersionRunner
     from worker.hardware.model import EngineInstall
     from worker.provision.releases import Releases
 
@@ -92,8 +92,6 @@ def ready_snapshot(reads: Mapping[str, Any], snapshot: EngineSnapshot, slots: Sl
 
 
 def find_installed(system: str, where: str | None, run: VersionRunner) -> EngineInstall:
-    from worker.hardware.installed import find_vllm  # hardware imports the engines: import when asked
-
     return find_vllm(system, where, run)
 
 
