@@ -35,6 +35,7 @@ from worker.engines.base import (
     cuda_environment,
 )
 from worker.engines.layout import Unit
+from worker.engines.releases import ListedReleases
 from worker.contract.events import EngineSnapshot
 from worker.hardware.model import EngineInstall, Machine
 
@@ -64,6 +65,8 @@ METRIC_NAMES: Mapping[str, tuple[str, ...]] = {
     "generation_tokens": ("toy_generated_tokens",),
 }
 READY_READS: tuple[str, ...] = (PROPS,)
+PRIVATE_ENV_PREFIXES: tuple[str, ...] = ("TOY_SETTING_",)
+RELEASES = ListedReleases(("1.0",))  # no installer: it runs from `--engine-bin`
 
 _LOADING = re.compile(r"^toy: loading (\S+)")
 _LISTENING = re.compile(r"^toy: serving on (\S+)")
@@ -120,12 +123,6 @@ def find_installed(system: str, where: str | None, run: Any) -> EngineInstall:
     return EngineInstall(version="1.0" if where else None, path=where)
 
 
-def shipped_versions(releases: Any) -> tuple[str, ...]:
-    return ("1.0",)
-
-
-def normalise_version(version: str) -> str:
-    return version
 
 
 # --- the process --------------------------------------------------------------------------------

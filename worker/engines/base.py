@@ -11,13 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence, Union, runtime_checkable
 
+from worker.engines import registry
 from worker.engines.allowlist import Allowlist
 from worker.contract.events import EngineSnapshot, StartPhase
 
 if TYPE_CHECKING:  # the hardware and provision packages import the engines, never the other way
     from worker.engines.layout import Unit
+    from worker.engines.releases import Releases
     from worker.hardware.model import EngineInstall, GpuGroup, Machine
-    from worker.provision.releases import Releases
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -172,7 +173,8 @@ class Launch:
 
 class EngineAdapter(Protocol):
     """What every engine package provides: how it is started and read, where it runs, how it lays
-    out GPUs, what its /metrics and log say, and how it is found and provisioned."""
+    out GPUs, what its /metrics and log say, how it is found, which releases it ships with, and the
+    variables that are its secrets. One that can install itself is an `installing.Installer` too."""
 
     NAME: str  # the engine's key on the wire (`assign.model.<NAME>`) and in `hello.engines`
     DISPLAY_NAME: str  # for people: "vLLM"
@@ -189,6 +191,12 @@ class EngineAdapter(Protocol):
     METRICS_PREFIX: str  # every series of its /metrics starts so (tells an unnamed page's engine)
     METRIC_NAMES: Mapping[str, tuple[str, ...]]  # `EngineMetrics` quantity → series names, newest first
     READY_READS: tuple[str, ...]  # paths read once ready, for `ready_snapshot`
+    KEY_VARIABLE: str  # the environment variable it reads this run's API key from; no child inherits one
+    PRIVATE_ENV_PREFIXES: tuple[str, ...]  # variables that configure it behind its command line; never inherited
+
+    @property
+    def RELEASES(self) -> Releases:  # noqa: N802 (a constant, as the others: read-only, so each engine's own kind)
+        """The releases this app ships with, the only ones it installs and runs."""
 
     def command(self, launch: Launch) -> list[str]: ...
 
@@ -220,12 +228,6 @@ class EngineAdapter(Protocol):
 
     def find_installed(self, system: str, where: str | None, run: VersionRunner) -> EngineInstall:
         """The install on this machine (at `where`, from `--engine-bin`, when given)."""
-
-    def shipped_versions(self, releases: Releases) -> tuple[str, ...]:
-        """The versions this app may install and run, newest (the default) first."""
-
-    def normalise_version(self, version: str) -> str:
-        """An assignment's `engine_version` as `shipped_versions` spells it."""
 
 
 Run = tuple[str, Sequence[str]]  # one argument list an engine may start with, and where it came from ("tier 24000")
@@ -267,14 +269,14 @@ def clean_line(line: str) -> str:
     return ANSI_ESCAPE.sub("", line).replace("\r", "").rstrip("\n")
 
 
-# Never inherited by a child (engine or version probe): the provider's token, an engine key that
-# would stand in for this run's, and llama.cpp's LLAMA_ARG_* (flags set behind the command line).
-_SECRET_ENV = frozenset({"GPU_PROVIDER_TOKEN", "VLLM_API_KEY", "LLAMA_API_KEY"})
-
-
 def child_environment(base: Mapping[str, str]) -> dict[str, str]:
-    """`base` without what no child of the app may inherit (`_SECRET_ENV`, `LLAMA_ARG_*`)."""
-    return {k: v for k, v in base.items() if k not in _SECRET_ENV and not k.startswith("LLAMA_ARG_")}
+    """`base` without what no child of the app (engine or version probe) may inherit: the provider's
+    token, an engine key that would stand in for this run's (each engine's `KEY_VARIABLE`), and what
+    configures an engine behind its command line (its `PRIVATE_ENV_PREFIXES`)."""
+    adapters = registry.adapters()
+    secret = {"GPU_PROVIDER_TOKEN", *(adapter.KEY_VARIABLE for adapter in adapters)}
+    prefixes = tuple(prefix for adapter in adapters for prefix in adapter.PRIVATE_ENV_PREFIXES)
+    return {k: v for k, v in base.items() if k not in secret and not k.startswith(prefixes)}
 
 
 def cuda_environment(base: Mapping[str, str], gpu_indices: Sequence[int]) -> dict[str, str]:

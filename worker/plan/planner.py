@@ -57,7 +57,7 @@ from worker.engines.allowlist import MAX_JSON_BYTES, Allowlist, utf8_length
 from worker.engines.base import Launch
 from worker.engines.layout import FIT_SHARE, Unit, fits
 from worker.hardware.model import Machine
-from worker.provision.releases import version_problem
+from worker.engines.releases import version_problem
 from worker.provision.sources import BadSource, check_source
 
 log = logging.getLogger(__name__)

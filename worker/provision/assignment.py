@@ -17,6 +17,7 @@ import psutil
 
 from worker.system.config import Paths, Settings
 from worker.engines.base import Room, Run, StartCheck
+from worker.engines.releases import Releases
 from worker.contract.events import Problem
 from worker.hardware import Machine, usable_mib
 from worker.plan.planner import EnginePlan, Plan
@@ -24,7 +25,6 @@ from worker.provision.engine_install import accelerator_of, cuda_version, ensure
 from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.provision.progress import ProgressCallback
-from worker.provision.releases import SHIPPED
 from worker.system.backoff import DoublingBackoff
 
 OFFLINE_BACKOFF = DoublingBackoff(initial_s=15.0, maximum_s=600.0)  # 15 s doubling to 10 min
@@ -48,7 +48,7 @@ def check_room(plans: list[EnginePlan], machine: Machine, settings: Settings) ->
     before the new ones start), never more than the machine has, judged as a card's usable memory
     is (contract, Assignment: usable RAM). Blocking (reads the model's header): run in a thread."""
     free_mib = min(machine.ram_mib, (psutil.virtual_memory().available + _held_by_engines()) // 2**20)
-    threads = psutil.cpu_count(logical=True) or machine.cpu_cores  # llama.cpp's -t counts logical CPUs
+    threads = psutil.cpu_count(logical=True) or machine.cpu_cores  # an engine's thread count counts logical CPUs
     for ep in plans:
         adapter = ep.adapter
         if not isinstance(adapter, StartCheck):
@@ -85,7 +85,8 @@ async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_p
     if given:
         return (given,), library_env(Path(given).parent)
     found = machine.engines.get(engine)
-    if found and found.path and (wanted is None or _same_release(found.version, wanted)):
+    releases = current.engines[0].adapter.RELEASES
+    if found and found.path and (wanted is None or _same_release(releases, found.version, wanted)):
         return current.engines[0].executable, {}
     install = await ensure_engine(
         engine,
@@ -94,14 +95,14 @@ async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_p
         on_progress,
         accelerator=accelerator_of(machine),
         cuda_driver=cuda_version(machine.cuda_version),
-        runtime=machine.runtime,  # vLLM: its CPU build on a machine without a usable GPU
+        runtime=machine.runtime,  # the build for this runtime (a CPU build on a machine without a usable GPU)
     )
     return install.executable, library_env(install.library_dir) if install.library_dir else {}
 
 
-def _same_release(found: str | None, wanted: str) -> bool:
+def _same_release(releases: Releases, found: str | None, wanted: str) -> bool:
     """`0.32.0+cpu` found is the `0.32.0` asked for: the build tag says which runtime, not which release."""
-    return found is not None and SHIPPED.release_version(found) == SHIPPED.release_version(wanted)
+    return found is not None and releases.normalise(found) == releases.normalise(wanted)
 
 
 class OfflineRetry:

@@ -1,63 +1,41 @@
 """The engine an assignment needs, installed before the supervisor starts it.
 
-Each version lives in its own folder under `paths.engines_dir` (`vllm-0.33.0`, the CPU build's
-`vllm-0.32.0+cpu`, `llamacpp-b6500`), so several coexist and switching back is free; `remove_unused` deletes
-the ones no assignment needs any more. A folder only counts as installed once its install
-finished and was checked.
+Generic: the engine's adapter installs it (`installing.Installer`; one without runs from
+`--engine-bin`), into a place this module gives it: this machine's engines folder, or, on Windows
+for an engine that does not run on Windows itself, the same folder inside WSL2. Each version lives
+in its own folder there (`<engine>-<version>`, with a build tag where it has one), so
+several coexist and switching back is free; `remove_unused` deletes the ones no assignment needs
+any more. A folder only counts as installed once its install finished and was checked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path, PurePath
+from functools import partial
+from pathlib import Path
 
-from worker.system.config import Paths
-from worker.provision.hosts import download_client
-from worker.engines import registry
-from worker.engines.llamacpp import normalise_version as normalise_build
 from worker.contract.events import Problem
-from worker.hardware import Machine
-from worker.provision.problems import Downloader
-from worker.provision.errors import ProvisionError
-from worker.provision.llamacpp_install import (
-    RELEASE_API,
+from worker.engines import registry
+from worker.engines.installing import (
+    WSL_ENGINES_DIR,
     Accelerator,
-    choose_assets,
-    fetch_manifest,
-    install_release,
-    pin_manifest,
-    this_machine,
+    EngineInstall,
+    InstallError,
+    Installer,
+    InstallPlace,
+    InstallRequest,
 )
+from worker.engines.releases import Releases, version_problem
+from worker.hardware import Machine
+from worker.provision.errors import ProvisionError
+from worker.provision.hosts import download_client
+from worker.provision.problems import Downloader, fetch
 from worker.provision.progress import ProgressCallback
-from worker.provision.releases import SHIPPED, Releases, VllmBuild, version_problem
-from worker.provision.vllm_install import (
-    MARKER,
-    VenvPlace,
-    host_place,
-    install_vllm,
-    is_installed,
-    wsl_place,
-)
-
-_SERVER_NAMES = ("llama-server", "llama-server.exe")
-_BUILD = re.compile(r"b\d+")
-
-
-@dataclass(frozen=True)
-class EngineInstall:
-    """What the supervisor starts: the argv prefix of the engine, its version and where it lives."""
-
-    executable: tuple[str, ...]
-    version: str
-    location: PurePath  # a folder here, or (inside WSL2) relative to the distro user's home
-    library_dir: Path | None = None  # for LD_LIBRARY_PATH / PATH where the build ships libraries
-
+from worker.system.config import Paths
 
 async def ensure_engine(
     engine: str,
@@ -74,102 +52,53 @@ async def ensure_engine(
     use_wsl: bool | None = None,
     wsl_distro: str | None = None,
     downloader: Downloader | None = None,
-    release_api: str = RELEASE_API,
-    releases: Releases = SHIPPED,
+    release_api: str | None = None,
+    releases: Releases | None = None,
 ) -> EngineInstall:
     """Find or install `engine` at `version` (None: the newest installed, else the default); raises `ProvisionError`.
 
-    Only versions in `releases` (what this app ships with) are found or installed, and only the
-    engines this app has an installer for (an engine without one runs from `--engine-bin`). vLLM:
-    the build for the machine's `runtime` (its CPU build on `cpu`; None: the build of the version
-    named, else the GPU build's default), `index_url`/`find_links` choose where pip looks (a folder
-    of wheels offline), and on Windows (`use_wsl` None means "when on Windows") it goes inside
-    WSL2. llama.cpp: the pinned release assets for this platform and `accelerator`, downloaded
-    with `downloader` (one is made if not given).
+    Only versions its releases list (what this app ships with; `releases` stands in for them) are
+    found or installed, for the machine's `runtime`, and only by an engine that has an installer.
+    `use_wsl` None means: inside WSL2 on Windows where the engine does not run on Windows itself.
+    `index_url`/`find_links` choose where pip looks (a folder of wheels offline), `release_api`
+    where release pages are read; downloads go through `downloader` (one is made if not given).
     """
-    problem = version_problem(engine, version, releases, runtime)
+    adapter = registry.get(engine) if engine in registry.names() else None
+    shipped = releases if releases is not None or adapter is None else adapter.RELEASES
+    problem = version_problem(engine, version, runtime, shipped)
     if problem is not None:
         raise ProvisionError(Problem("Engine version not allowed", problem + ".", action="update"))
-    if engine == "vllm":
-        wsl = os.name == "nt" if use_wsl is None else use_wsl
-        build = _vllm_build(version, runtime, paths.engines_dir, wsl, releases)
-        return await _ensure_vllm(
-            build, paths, on_progress, index_url, find_links, cuda_driver, python, wsl, wsl_distro
-        )
-    if engine == "llamacpp":
-        return await _ensure_llamacpp(
-            version, paths, on_progress, accelerator, cuda_driver, downloader, release_api, releases
-        )
-    raise ProvisionError(_no_installer(engine))
-
-
-def _vllm_build(
-    version: str | None, runtime: str | None, engines_dir: Path, wsl: bool, releases: Releases
-) -> VllmBuild:
-    """The build asked for; with no version, the newest installed here for this runtime, else its default."""
-    builds = releases.vllm_for(runtime)
-    if version is not None:
-        chosen = releases.vllm_build(version, runtime)
-    else:
-        by_folder = {b.installed_version: b for b in builds}
-        installed = None if wsl else _newest_installed(engines_dir, "vllm", tuple(by_folder))
-        chosen = by_folder[installed] if installed is not None else (builds[0] if builds else None)
-    if chosen is None:
-        raise ProvisionError(_none_shipped("vLLM"))
-    return chosen
-
-
-async def _ensure_vllm(
-    build: VllmBuild,
-    paths: Paths,
-    on_progress: ProgressCallback,
-    index_url: str | None,
-    find_links: str | None,
-    cuda_driver: tuple[int, int] | None,
-    python: str | None,
-    wsl: bool,
-    wsl_distro: str | None,
-) -> EngineInstall:
-    folder_version = build.installed_version
-    place: VenvPlace = (
-        wsl_place(folder_version, wsl_distro) if wsl else host_place(paths.engines_dir, folder_version, python)
-    )
-    if not await is_installed(place, build):
-        await install_vllm(
-            place, build, on_progress, index_url=index_url, find_links=find_links, cuda_driver=cuda_driver
-        )
-    return EngineInstall(tuple(place.command([place.in_venv("vllm")])), folder_version, place.folder)
-
-
-async def _ensure_llamacpp(
-    version: str | None,
-    paths: Paths,
-    on_progress: ProgressCallback,
-    accelerator: Accelerator,
-    cuda_driver: tuple[int, int] | None,
-    downloader: Downloader | None,
-    release_api: str,
-    releases: Releases,
-) -> EngineInstall:
-    build = (
-        normalise_build(version)
-        if version
-        else _newest_installed(paths.engines_dir, "llamacpp", tuple(releases.llamacpp))
-        or releases.default_llamacpp
-    )
-    if build is None:
-        raise ProvisionError(_none_shipped("llama.cpp"))
-    installed = _installed_llamacpp(paths.engines_dir / f"llamacpp-{build}", build)
-    if installed is not None:
-        return installed
+    if not isinstance(adapter, Installer):
+        raise ProvisionError(_no_installer(engine))
+    wsl = os.name == "nt" and "windows" not in adapter.RUNTIMES if use_wsl is None else use_wsl
+    place = wsl_place(adapter.DISPLAY_NAME, wsl_distro) if wsl else InstallPlace(paths.engines_dir)
     async with _downloader(downloader) as loader:
-        manifest = pin_manifest(
-            await fetch_manifest(loader.client, build, release_api), releases.llamacpp[build]
+        request = InstallRequest(
+            version, shipped, place, on_progress, loader.client, partial(fetch, loader, on_progress=on_progress),
+            runtime=runtime, accelerator=accelerator, cuda_driver=cuda_driver, base_python=python,
+            index_url=index_url, find_links=find_links, release_api=release_api,
         )
-        assets = choose_assets(manifest, this_machine(accelerator, cuda_driver))
-        location = paths.engines_dir / f"llamacpp-{manifest.build}"
-        server = await install_release(assets, location, loader, on_progress, manifest.build)
-    return EngineInstall((str(server),), manifest.build, location, server.parent)
+        try:
+            return await adapter.install(request)
+        except InstallError as exc:
+            raise ProvisionError(exc.problem) from exc
+
+
+def wsl_place(name: str, distro: str | None = None, *,
+              which: Callable[[str], str | None] = shutil.which) -> InstallPlace:
+    """The engines folder inside WSL2 (`distro`, or its default); a person without WSL2 is told how
+    to turn it on."""
+    if which("wsl.exe") is None:
+        raise ProvisionError(
+            Problem(
+                f"{name} needs WSL2",
+                f"On Windows, {name} runs inside WSL2, which is not installed. Open PowerShell as "
+                "administrator, run `wsl --install`, restart the computer, open Ubuntu once to finish "
+                "its setup, then resume the app.",
+                action="settings",
+            )
+        )
+    return InstallPlace(WSL_ENGINES_DIR, wsl=True, wsl_distro=distro)
 
 
 @asynccontextmanager
@@ -181,14 +110,6 @@ async def _downloader(given: Downloader | None) -> AsyncIterator[Downloader]:
         yield Downloader(client)
 
 
-def _none_shipped(name: str) -> Problem:
-    return Problem(
-        f"No {name} release to install",
-        f"This app version ships with no {name} release it may install. Update the app.",
-        action="update",
-    )
-
-
 def _no_installer(engine: str) -> Problem:
     name = registry.display_name(engine)
     return Problem(
@@ -196,29 +117,6 @@ def _no_installer(engine: str) -> Problem:
         f"This app cannot install {name}. Install it, and start the app with --engine-bin {engine}=PATH.",
         action="settings",
     )
-
-
-def _installed_llamacpp(location: Path, build: str) -> EngineInstall | None:
-    servers = [p for p in location.rglob("*") if p.name in _SERVER_NAMES] if location.is_dir() else []
-    if not servers:
-        return None
-    server = min(servers, key=lambda p: len(p.parts))
-    return EngineInstall((str(server),), build, location, server.parent)
-
-
-def _newest_installed(engines_dir: Path, engine: str, allowed: Collection[str]) -> str | None:
-    """The highest `allowed` version already installed here (a finished install only)."""
-    versions = []
-    for folder in engines_dir.glob(f"{engine}-*") if engines_dir.is_dir() else ():
-        version = folder.name.removeprefix(f"{engine}-")
-        finished = (folder / MARKER).is_file() if engine == "vllm" else bool(_BUILD.fullmatch(version))
-        if folder.is_dir() and finished and version in allowed:
-            versions.append(version)
-    return max(versions, key=_version_key, default=None)
-
-
-def _version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(n) for n in re.findall(r"\d+", version))
 
 
 async def remove_unused(paths: Paths, keep: Collection[EngineInstall]) -> list[Path]:
@@ -240,7 +138,7 @@ async def remove_unused(paths: Paths, keep: Collection[EngineInstall]) -> list[P
 
 
 def _engine_folder(name: str) -> bool:
-    """`vllm-0.33.0`, `llamacpp-b6500`: a folder named for a registered engine and a version."""
+    """`<engine>-<version>`: a folder named for a registered engine and a version."""
     return any(name.startswith(f"{engine}-") for engine in registry.names())
 
 
@@ -248,7 +146,7 @@ def _engine_folder(name: str) -> bool:
 
 
 def accelerator_of(machine: Machine) -> Accelerator:
-    """The llama.cpp build this machine runs: Metal on Apple silicon, CUDA with an NVIDIA card."""
+    """The engine build this machine runs: Metal on Apple silicon, CUDA with an NVIDIA card."""
     if machine.runtime == "apple-silicon":
         return "metal"
     return "cuda" if machine.gpus else "cpu"

@@ -1,16 +1,16 @@
 """The model an assignment names, onto this machine: returns what the engine is started with.
 
-A Hugging Face repo goes through huggingface_hub into the app's model cache; an https GGUF
-through the resumable downloader, saved under the app's own name (its sha256); an absolute local
-path is checked where it is — a GGUF file for an engine that loads one (llama.cpp), a folder with
-config.json for one that loads a model folder (vLLM), never a device or other special file. Every
-local path the node cannot use gets the same words (`UNUSABLE_PATH`), whether it is missing,
-unreadable, special, not a model, a folder with no or several GGUF files, or of another sha256:
-the refusal goes to the coordinator, which must not learn what exists on this machine. Downloads
-go only to public https hosts (`ModelOptions.hosts`, `worker.provision.hosts`). A download may bring
-at most the assignment's `weights_mib` plus 10 %, and never more than the cache limit. Cached
-downloads are tracked in the cache index, and the least recently used are evicted when the cache
-grows past the user's limit — never a model in use.
+A Hugging Face repo goes through huggingface_hub into the app's model cache; an https GGUF through
+the resumable downloader, saved under the app's own name (its sha256); an absolute local path is
+checked where it is — a GGUF file for an engine that loads one (`MODEL_FORMAT` "gguf"), a folder
+with config.json for one that loads a model folder ("folder"), never a device or other special file.
+Every local path the node cannot use gets the same words (`UNUSABLE_PATH`), whether it is missing,
+unreadable, special, not a model, a folder with no or several GGUF files, or of another sha256: the
+refusal goes to the coordinator, which must not learn what exists on this machine. Downloads go only
+to public https hosts (`ModelOptions.hosts`, `worker.provision.hosts`). A download may bring at most
+the assignment's `weights_mib` plus 10 %, and never more than the cache limit. Cached downloads are
+tracked in the cache index, and the least recently used are evicted when the cache grows past the
+user's limit — never a model in use.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from worker.engines import EngineAdapter, registry
 from worker.contract.events import Problem
 from worker.provision.cache import ModelCache
 from worker.provision.problems import Downloader, SizeCap, fetch
-from worker.provision.errors import ProvisionError, human_bytes
+from worker.engines.installing import human_bytes
+from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback
 from worker.provision.sources import BadSource, ModelSource, check_source, under_system_folder
 

@@ -20,7 +20,8 @@ from worker.provision import fetch as download
 from worker.provision.fetch import Downloader, FreeBytes
 from worker.provision.hosts import HostRefused
 from worker.contract.events import Problem
-from worker.provision.errors import ProvisionError, human_bytes
+from worker.engines.installing import human_bytes
+from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback, ProgressMeter
 
 __all__ = ["Downloader", "FreeBytes", "SizeCap", "ensure_free_space", "fetch", "host_refused", "too_large"]

@@ -6,8 +6,9 @@ import time
 from collections.abc import Callable
 
 from worker.contract.events import DownloadProgress
+from worker.engines.installing import ProgressCallback
 
-ProgressCallback = Callable[[DownloadProgress], None]
+__all__ = ["ProgressCallback", "ProgressMeter"]
 
 
 class ProgressMeter:

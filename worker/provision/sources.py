@@ -62,7 +62,7 @@ def check_source(source: str, sha256: str | None, engine: str) -> ModelSource:
     """The source `engine` is to load, or `BadSource` saying why it is refused.
 
     On top of `parse_source`: an https URL must come with its sha256, and an engine that loads a
-    model folder (vLLM) takes a folder or a Hugging Face repo, not a single GGUF file.
+    model folder (`MODEL_FORMAT` "folder") takes a folder or a Hugging Face repo, not a single GGUF file.
     """
     if engine not in registry.names():
         raise BadSource(registry.refusal(engine))

@@ -13,17 +13,19 @@ import pytest
 from tests.support import toy_engine
 from tests.worker.hardware.recorded import replay
 from worker.contract import protocol
+from worker.contract.events import Problem
 from worker.node.cli import InputError, parse_engine_bins
 from worker.system.config import Paths, Settings
 from worker.engines import get_adapter, llamacpp, published_args, registry, vllm
-from worker.engines.base import EngineAdapter
+from worker.engines.base import EngineAdapter, child_environment
 from worker.engines.finding import find_engines
+from worker.engines.installing import EngineInstall, InstallError, InstallPlace, InstallRequest
 from worker.measure.metrics import parse_metrics, scrape
 from worker.plan.planner import Plan, Refusal, plan
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
-from worker.provision.releases import version_problem
+from worker.engines.releases import version_problem
 from worker.provision.sources import BadSource, check_source
 from worker.serve.restart_policy import SupervisorTiming
 from worker.serve.supervisor import EngineSupervisor
@@ -180,3 +182,41 @@ async def test_a_third_engine_runs_plan_supervise_metrics_through_its_adapter(to
     assert (metrics.engine, metrics.requests_running, metrics.prompt_tokens, metrics.generation_tokens) == (
         "toy", 0, 1, SupervisorTiming().probe_max_tokens)
     assert parse_metrics(page).engine == "toy"  # a page without a name is told by the adapter's prefix
+
+
+def test_no_child_inherits_a_registered_engines_key_or_private_settings(toy: None) -> None:
+    """The names come from each registered adapter (`KEY_VARIABLE`, `PRIVATE_ENV_PREFIXES`): a new
+    engine's key is kept from every child without a shared list to edit."""
+    inherited = {"HOME": "/h", "GPU_PROVIDER_TOKEN": "t", "VLLM_API_KEY": "v", "LLAMA_API_KEY": "l",
+                 "LLAMA_ARG_HOST": "0.0.0.0", "TOY_API_KEY": "k", "TOY_SETTING_PORT": "1", "TOYS": "kept"}
+    assert child_environment(inherited) == {"HOME": "/h", "TOYS": "kept"}
+    registry.unregister(toy_engine.NAME)
+    assert "TOY_API_KEY" in child_environment(inherited)  # not an engine key any more
+    registry.register(toy_engine)
+
+
+async def test_an_engine_with_an_installer_is_installed_through_the_generic_path(
+        toy: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter's `install` is handed its own releases, the version asked for and this machine's
+    engines folder as the place; what it cannot do reaches the node as a `ProvisionError`."""
+    requests: list[InstallRequest] = []
+
+    async def install(request: InstallRequest) -> EngineInstall:
+        requests.append(request)
+        if request.runtime == "native":
+            raise InstallError(Problem("Toy engine cannot install here", "No toys on a GPU."))
+        folder = request.place.folder("toy", request.version or "1.0")
+        return EngineInstall((str(folder / "toy"),), "1.0", folder)
+
+    monkeypatch.setattr(toy_engine, "install", install, raising=False)
+    paths = Paths.under(tmp_path)
+    install_ = await ensure_engine("toy", "1.0", paths, lambda _: None, runtime="cpu", use_wsl=False)
+    assert install_ == EngineInstall((str(paths.engines_dir / "toy-1.0" / "toy"),), "1.0", paths.engines_dir / "toy-1.0")
+    (request,) = requests
+    assert request.releases is toy_engine.RELEASES and request.place == InstallPlace(paths.engines_dir)
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine("toy", None, paths, lambda _: None, runtime="native", use_wsl=False)
+    assert failure.value.problem.title == "Toy engine cannot install here"
+    with pytest.raises(ProvisionError, match="not one this app ships with"):
+        await ensure_engine("toy", "2.0", paths, lambda _: None, use_wsl=False)
+    assert len(requests) == 2  # a version not shipped never reaches the installer

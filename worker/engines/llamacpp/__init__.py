@@ -1,7 +1,8 @@
 """llama.cpp's `llama-server`: the adapter. Its command line, environment, endpoints and planning
 are here; its log (`log.py`), arguments (`args.py`), /metrics names (`metrics.py`), what it
-says once ready (`ready.py`), and whether a start fits the machine (`memory.py`, reading the
-model's header through `gguf.py`) beside it.
+says once ready (`ready.py`), whether a start fits the machine (`memory.py`, reading the
+model's header through `gguf.py`), its pinned builds (`releases.py`) and installer (`install.py`)
+beside it.
 
 Pure. Strings and flags follow `shared/reference/engines.md` part B; log lines are read from
 stderr, with or without `--log-prefix`/`--log-timestamps`.
@@ -15,6 +16,7 @@ from worker.engines import layout
 from worker.engines.base import Endpoint, Launch, ModelFormat, Room, Run, VersionRunner, cuda_environment
 from worker.engines.layout import Unit
 from worker.engines.llamacpp import args as llamacpp_args
+from worker.engines.llamacpp.install import install
 from worker.engines.llamacpp import memory
 from worker.engines.llamacpp.find import find_llama_server
 from worker.engines.llamacpp.log import parse_line
@@ -23,10 +25,10 @@ from worker.engines.llamacpp.metrics import PREFIX as METRICS_PREFIX
 from worker.engines.llamacpp.metrics import derive_metrics
 from worker.engines.llamacpp.ready import READS as READY_READS
 from worker.engines.llamacpp.ready import ready_snapshot
+from worker.engines.llamacpp.releases import SHIPPED as RELEASES
 
 if TYPE_CHECKING:
     from worker.hardware.model import EngineInstall, Machine
-    from worker.provision.releases import Releases
 
 NAME = "llamacpp"
 DISPLAY_NAME = "llama.cpp"
@@ -37,6 +39,8 @@ MODEL_FORMAT: ModelFormat = "gguf"
 MEMORY_SHARE = False  # `--fit off` instead: a context that does not fit fails, and a lower tier is tried
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("llama-server",)
 ALLOWED_ARGS = llamacpp_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
+KEY_VARIABLE = "LLAMA_API_KEY"
+PRIVATE_ENV_PREFIXES: tuple[str, ...] = ("LLAMA_ARG_",)  # any of its flags, set behind the command line
 
 # /health and /v1/models are public; /metrics, /props and /slots need the key once one is set (B4).
 ENDPOINTS: Mapping[str, Endpoint] = {
@@ -67,12 +71,12 @@ def command(launch: Launch) -> list[str]:
 def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
                 config_home: str | None = None) -> dict[str, str]:
     """Only the app configures the server: no inherited `LLAMA_ARG_*`, `LLAMA_API_KEY` or Vertex AI
-    `AIP_*` (they move the port); this run's key as `LLAMA_API_KEY`; and the user-level
+    `AIP_*` (they move the port); this run's key as `KEY_VARIABLE`; and the user-level
     `config.ini` looked up under `config_home`, a folder the app owns, so a file planted in
     `~/.config/llama.cpp/` cannot set `host = 0.0.0.0` (`XDG_CONFIG_HOME`; `APPDATA` on Windows)."""
     env = {k: v for k, v in cuda_environment(base, gpu_indices).items() if not k.startswith("AIP_")}
     if api_key is not None:
-        env["LLAMA_API_KEY"] = api_key
+        env[KEY_VARIABLE] = api_key
     if config_home is not None:
         env["XDG_CONFIG_HOME"] = config_home
         if "APPDATA" in env:
@@ -111,25 +115,9 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
     return find_llama_server(where, run)
 
 
-def shipped_versions(releases: Releases) -> tuple[str, ...]:
-    """The pinned builds, newest first."""
-    return tuple(sorted(releases.llamacpp, key=build_number, reverse=True))
-
-
-def normalise_version(version: str) -> str:
-    """ "10423" and "b10423" both name llama.cpp build b10423."""
-    return version if version.startswith("b") else f"b{version}"
-
-
-def build_number(build: str) -> int:
-    digits = build.removeprefix("b")
-    return int(digits) if digits.isdigit() else -1
-
-
 __all__ = [
-    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FALLBACK_RUNTIMES",
-    "MEMORY_SHARE", "METRICS_PREFIX",
-    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "READY_READS", "RUNTIMES", "build_number", "capacity", "command",
-    "derive_metrics", "environment", "find_installed", "normalise_version", "parse_line",
-    "ready_snapshot", "runtime_environment", "shipped_versions", "start_problem", "tier_warning", "units",
+    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FALLBACK_RUNTIMES", "KEY_VARIABLE",
+    "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
+    "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics", "environment", "find_installed", "install",
+    "parse_line", "ready_snapshot", "runtime_environment", "start_problem", "tier_warning", "units",
 ]

@@ -1,6 +1,6 @@
 """vLLM (`vllm serve`): the adapter. Its command line, environment and endpoints are here; its log
-(`log.py`), arguments (`args.py`), planning rules (`planning.py`) and /metrics names (`metrics.py`)
-beside it.
+(`log.py`), arguments (`args.py`), planning rules (`planning.py`), /metrics names (`metrics.py`),
+shipped builds (`releases.py`) and installer (`install.py`) beside it.
 
 Pure. Strings and flags follow `shared/reference/engines.md` part A (0.33.0, with the older
 0.11/0.20 variants still recognised).
@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from worker.engines.base import Endpoint, Launch, ModelFormat, Slots, VersionRunner, cuda_environment
 from worker.engines.vllm.find import find_vllm
 from worker.engines.vllm import args as vllm_args
+from worker.engines.vllm.install import install
 from worker.engines.vllm.log import parse_line
 from worker.engines.vllm.metrics import NAMES as METRIC_NAMES
 from worker.engines.vllm.metrics import PREFIX as METRICS_PREFIX
 from worker.engines.vllm.metrics import derive_metrics
 from worker.engines.vllm.planning import capacity, runtime_environment, serves_group, tier_warning, units
+from worker.engines.vllm.releases import SHIPPED as RELEASES
 from worker.contract.events import EngineSnapshot
 
 if TYPE_CHECKING:
     from worker.hardware.model import EngineInstall
-    from worker.provision.releases import Releases
 
 NAME = "vllm"
 DISPLAY_NAME = "vLLM"
@@ -36,6 +37,8 @@ MEMORY_SHARE = True  # `--gpu-memory-utilization`: its start-up check fails on a
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("vllm",)
 ALLOWED_ARGS = vllm_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
 READY_READS: tuple[str, ...] = ()  # its log and /v1/models say all there is to know
+KEY_VARIABLE = "VLLM_API_KEY"  # read when `--api-key` is absent
+PRIVATE_ENV_PREFIXES: tuple[str, ...] = ()
 
 # /health, /metrics and /version are never authenticated; every /v1 path is (A4).
 ENDPOINTS: Mapping[str, Endpoint] = {
@@ -47,7 +50,7 @@ ENDPOINTS: Mapping[str, Endpoint] = {
 
 # Inherited variables that would change the API key, the log format we parse, or open dev endpoints.
 _DROPPED_ENV = frozenset(
-    {"VLLM_API_KEY", "VLLM_PORT", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING",
+    {KEY_VARIABLE, "VLLM_PORT", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING",
      "VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE"}  # the last: a KV size that skips the CPU build's memory check
 )
 
@@ -72,7 +75,7 @@ def command(launch: Launch) -> list[str]:
 def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key: str | None = None,
                 config_home: str | None = None) -> dict[str, str]:
     """No usage stats, no colour, unbuffered logs, nothing inherited that changes keys or log format;
-    this run's key as `VLLM_API_KEY` (read when `--api-key` is absent), and user config read from
+    this run's key as `KEY_VARIABLE` (read when `--api-key` is absent), and user config read from
     `config_home` (a folder the app owns) rather than `~/.config`."""
     env = {k: v for k, v in cuda_environment(base, gpu_indices).items() if k not in _DROPPED_ENV}
     env.update(
@@ -80,7 +83,7 @@ def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key:
          "PYTHONUNBUFFERED": "1"}
     )
     if api_key is not None:
-        env["VLLM_API_KEY"] = api_key
+        env[KEY_VARIABLE] = api_key
     if config_home is not None:
         env["XDG_CONFIG_HOME"] = config_home
     return env
@@ -95,18 +98,10 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
     return find_vllm(system, where, run)
 
 
-def shipped_versions(releases: Releases) -> tuple[str, ...]:
-    return releases.vllm
-
-
-def normalise_version(version: str) -> str:
-    return version
-
-
 __all__ = [
-    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FALLBACK_RUNTIMES", "MEMORY_SHARE",
-    "METRICS_PREFIX",
-    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "READY_READS", "RUNTIMES", "capacity", "command", "derive_metrics",
-    "environment", "find_installed", "normalise_version", "parse_line", "ready_snapshot",
-    "runtime_environment", "serves_group", "shipped_versions", "tier_warning", "units",
+    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FALLBACK_RUNTIMES", "KEY_VARIABLE",
+    "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
+    "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics",
+    "environment", "find_installed", "install", "parse_line", "ready_snapshot",
+    "runtime_environment", "serves_group", "tier_warning", "units",
 ]

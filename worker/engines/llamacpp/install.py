@@ -25,17 +25,23 @@ from typing import Any, Literal
 import httpx
 
 from worker.contract.events import Problem
-from worker.provision.problems import Downloader, fetch
-from worker.provision.errors import ProvisionError
-from worker.provision.progress import ProgressCallback
-from worker.provision.releases import PinnedAsset
+from worker.engines.installing import (
+    Accelerator,
+    EngineInstall,
+    Fetch,
+    InstallError,
+    InstallRequest,
+    none_shipped,
+    newest_installed,
+)
+from worker.engines.llamacpp.releases import LlamacppReleases, PinnedAsset
 
 # `{ref}` is `tags/b6500` for one build.
 RELEASE_API = "https://api.github.com/repos/ggml-org/llama.cpp/releases/{ref}"
 OsName = Literal["linux", "windows", "macos"]
-Accelerator = Literal["cuda", "metal", "cpu"]
 _ARCHIVE = r"\.(?:zip|tar\.gz)"
 _SERVER_NAMES = ("llama-server", "llama-server.exe")
+_BUILD = re.compile(r"b\d+")
 _VERSIONED_LIB = re.compile(r"^(lib.+\.so)\.(\d+)(?:\.\d+)*$")
 
 
@@ -93,7 +99,7 @@ def pin_manifest(manifest: ReleaseManifest, pins: Mapping[str, PinnedAsset]) -> 
         if pin is None:
             continue
         if asset.sha256.lower() != pin.sha256:
-            raise ProvisionError(
+            raise InstallError(
                 Problem(
                     "llama.cpp release changed",
                     f"llama.cpp {manifest.build}: the release page gives {asset.name} the sha256 {asset.sha256}, "
@@ -119,7 +125,7 @@ def choose_assets(manifest: ReleaseManifest, target: Target) -> list[ReleaseAsse
     plain = re.compile(rf"llama-{manifest.build}-bin-{os_tag}-{target.arch}{_ARCHIVE}")
     found = [a for a in manifest.assets if plain.fullmatch(a.name)]
     if not found:
-        raise ProvisionError(
+        raise InstallError(
             Problem(
                 "No llama.cpp build for this computer",
                 f"llama.cpp release {manifest.build} has no build for {target.os} {target.arch} "
@@ -156,7 +162,7 @@ async def fetch_manifest(
     try:
         response = await client.get(url, headers={"Accept": "application/vnd.github+json"})
     except httpx.TransportError as exc:
-        raise ProvisionError(
+        raise InstallError(
             Problem(
                 "Cannot reach the llama.cpp releases",
                 f"Reading {url} failed ({exc}). Check the network.",
@@ -164,7 +170,7 @@ async def fetch_manifest(
             )
         ) from exc
     if response.status_code != 200:
-        raise ProvisionError(
+        raise InstallError(
             Problem(
                 "llama.cpp release not found",
                 f"{url} answered HTTP {response.status_code} for build {build}.",
@@ -174,13 +180,7 @@ async def fetch_manifest(
     return ReleaseManifest.from_release_json(build, response.json())
 
 
-async def install_release(
-    assets: Sequence[ReleaseAsset],
-    location: Path,
-    downloader: Downloader,
-    on_progress: ProgressCallback,
-    build: str,
-) -> Path:
+async def install_release(assets: Sequence[ReleaseAsset], location: Path, fetch: Fetch, build: str) -> Path:
     """Download, check and unpack the assets into `location`; returns the llama-server inside it.
 
     Unpacking happens in a sibling folder that is renamed into place only when complete, so a
@@ -191,11 +191,9 @@ async def install_release(
     await asyncio.to_thread(shutil.rmtree, staging, True)
     for asset in assets:
         archive = await fetch(
-            downloader,
             asset.url,
             downloads / asset.name,
             what=f"engine llama.cpp {build}",
-            on_progress=on_progress,
             sha256=asset.sha256,
             max_bytes=asset.size_bytes,
             size_said=f"the size this app pins for {asset.name}; update the app",
@@ -223,7 +221,7 @@ def _unzip(archive: Path, into: Path) -> None:
         for member in zipped.infolist():
             target = (root / member.filename).resolve()
             if not target.is_relative_to(root):
-                raise ProvisionError(
+                raise InstallError(
                     Problem(
                         "Damaged llama.cpp build",
                         f"{archive.name} holds a file outside its folder: {member.filename}",
@@ -239,7 +237,7 @@ def _prepare(folder: Path) -> Path:
     """Find llama-server, make it executable, and restore shared-library links zip files drop."""
     servers = [p for p in folder.rglob("*") if p.name in _SERVER_NAMES and p.is_file()]
     if not servers:
-        raise ProvisionError(
+        raise InstallError(
             Problem("Damaged llama.cpp build", "The downloaded llama.cpp build has no llama-server in it.")
         )
     server = min(servers, key=lambda p: len(p.parts))
@@ -268,3 +266,41 @@ def _replace_dir(staging: Path, location: Path) -> None:
     if location.exists():
         shutil.rmtree(location)
     staging.rename(location)
+
+
+async def install(request: InstallRequest) -> EngineInstall:
+    """The build asked for (none: the newest pinned one installed here, else the newest pinned),
+    found in the engines folder or downloaded, checked and unpacked there for this platform."""
+    releases = request.releases
+    assert isinstance(releases, LlamacppReleases), "llama.cpp's installer reads llama.cpp's pins"
+    engines_dir = Path(request.place.engines_dir)  # a release build runs on this machine itself
+    build = (
+        releases.normalise(request.version)
+        if request.version
+        else newest_installed(engines_dir, "llamacpp", tuple(releases.builds), _unpacked) or releases.default
+    )
+    if build is None:
+        raise InstallError(none_shipped("llama.cpp"))
+    installed = _installed(engines_dir / f"llamacpp-{build}", build)
+    if installed is not None:
+        return installed
+    manifest = pin_manifest(
+        await fetch_manifest(request.client, build, request.release_api or RELEASE_API), releases.builds[build]
+    )
+    assets = choose_assets(manifest, this_machine(request.accelerator, request.cuda_driver))
+    location = engines_dir / f"llamacpp-{manifest.build}"
+    server = await install_release(assets, location, request.fetch, manifest.build)
+    return EngineInstall((str(server),), manifest.build, location, server.parent)
+
+
+def _unpacked(folder: Path) -> bool:
+    """`llamacpp-b6500`, not a `.partial` or `.downloads` folder of an install under way."""
+    return bool(_BUILD.fullmatch(folder.name.removeprefix("llamacpp-")))
+
+
+def _installed(location: Path, build: str) -> EngineInstall | None:
+    servers = [p for p in location.rglob("*") if p.name in _SERVER_NAMES] if location.is_dir() else []
+    if not servers:
+        return None
+    server = min(servers, key=lambda p: len(p.parts))
+    return EngineInstall((str(server),), build, location, server.parent)

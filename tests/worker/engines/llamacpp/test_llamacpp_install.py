@@ -14,13 +14,12 @@ import httpx
 import pytest
 
 from tests.support.https_server import HttpsServer
-from tests.worker.provision.conftest import no_sleep
+from tests.worker.provision.conftest import ca, client, no_sleep, server  # noqa: F401 (fixtures)
 from worker.system.config import Paths
 from worker.contract.events import DownloadProgress
 from worker.provision.problems import Downloader
-from worker.provision.engine_install import ensure_engine
-from worker.provision.errors import ProvisionError
-from worker.provision.llamacpp_install import (
+from worker.engines.installing import InstallError
+from worker.engines.llamacpp.install import (
     ReleaseAsset,
     ReleaseManifest,
     Target,
@@ -28,7 +27,10 @@ from worker.provision.llamacpp_install import (
     pin_manifest,
     this_machine,
 )
-from worker.provision.releases import SHIPPED, PinnedAsset, Releases, version_problem
+from worker.engines.llamacpp.releases import SHIPPED, LlamacppReleases, PinnedAsset
+from worker.engines.releases import version_problem
+from worker.provision.engine_install import ensure_engine
+from worker.provision.errors import ProvisionError
 
 BUILD = "b6500"
 SERVER_SCRIPT = b"#!/bin/sh\necho 'version: 6500 (test build)'\n"
@@ -75,10 +77,10 @@ def serve_release(
     )
 
 
-def pinned(assets: dict[str, bytes], build: str = BUILD) -> Releases:
+def pinned(assets: dict[str, bytes], build: str = BUILD) -> LlamacppReleases:
     """A pin list (as the app ships) holding exactly these assets of `build`, byte for byte."""
     pins = {name: PinnedAsset(hashlib.sha256(data).hexdigest(), len(data)) for name, data in assets.items()}
-    return Releases(vllm_builds=SHIPPED.vllm_builds, llamacpp={build: pins})
+    return LlamacppReleases({build: pins})
 
 
 def platform_asset_name(suffix: str = ".zip") -> str:
@@ -269,7 +271,7 @@ async def test_no_version_installs_the_newest_pinned_build(
 ) -> None:
     name = platform_asset_name()
     serve_release(server, {name: release_zip()})
-    releases = Releases(vllm_builds=(), llamacpp={**pinned({name: release_zip()}).llamacpp, "b10": {}})
+    releases = LlamacppReleases({**pinned({name: release_zip()}).builds, "b10": {}})
 
     install = await ensure_engine(
         "llamacpp",
@@ -342,7 +344,7 @@ def test_the_build_matching_platform_and_driver_is_chosen(target: Target, expect
 
 
 def test_platform_without_a_build_is_refused() -> None:
-    with pytest.raises(ProvisionError) as failure:
+    with pytest.raises(InstallError) as failure:
         choose_assets(WINDOWS, Target("linux", "arm64", "cpu"))
 
     assert "linux arm64" in failure.value.problem.message
@@ -398,9 +400,9 @@ def test_unlisted_engine_versions_are_refused_with_what_to_do(engine: str, versi
 )
 def test_every_platform_finds_a_pinned_build_in_what_the_app_ships(target: Target) -> None:
     """The pin list's names are the ones the installer picks: a typo there would leave a platform without a build."""
-    build = SHIPPED.default_llamacpp
+    build = SHIPPED.default
     assert build is not None
-    pins = SHIPPED.llamacpp[build]
+    pins = SHIPPED.builds[build]
     page = ReleaseManifest(build, tuple(ReleaseAsset(n, f"https://x/{n}", p.sha256) for n, p in pins.items()))
 
     chosen = choose_assets(pin_manifest(page, pins), target)

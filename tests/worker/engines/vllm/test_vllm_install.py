@@ -10,17 +10,10 @@ import pytest
 from tests.support.wheels import fake_vllm_wheel
 from worker.system.config import Paths
 from worker.contract.events import DownloadProgress
-from worker.provision.engine_install import EngineInstall, ensure_engine, remove_unused
+from worker.engines.installing import EngineInstall, InstallError
+from worker.engines.vllm.install import MARKER, VenvPlace, child_env, host_place, pip_install_argv, pip_step, venv_place
+from worker.provision.engine_install import ensure_engine, remove_unused, wsl_place
 from worker.provision.errors import ProvisionError
-from worker.provision.vllm_install import (
-    MARKER,
-    VenvPlace,
-    child_env,
-    host_place,
-    pip_install_argv,
-    pip_step,
-    wsl_place,
-)
 
 
 @pytest.mark.integration
@@ -106,14 +99,14 @@ def test_offline_wheel_folder_uses_no_index(tmp_path: Path) -> None:
 
 
 def test_driver_older_than_cuda_12_is_refused_with_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(ProvisionError) as failure:
+    with pytest.raises(InstallError) as failure:
         pip_install_argv(host_place(tmp_path, "0.33.0", "py"), "0.33.0", cuda_driver=(11, 8))
 
     assert "Update the NVIDIA driver" in failure.value.problem.message
 
 
 def test_wsl_commands_run_inside_the_distro_from_its_home() -> None:
-    place = wsl_place("0.33.0", "Ubuntu", which=lambda _: "C:/Windows/System32/wsl.exe")
+    place = venv_place(wsl_place("vLLM", "Ubuntu", which=lambda _: "C:/Windows/System32/wsl.exe"), "0.33.0")
 
     assert place.command([place.in_venv("vllm"), "serve"]) == [
         "wsl.exe",
@@ -136,9 +129,9 @@ def test_wsl_default_distro_is_left_to_wsl() -> None:
 
 def test_missing_wsl_guides_the_person_to_install_it() -> None:
     with pytest.raises(ProvisionError) as failure:
-        wsl_place("0.33.0", which=lambda _: None)
+        wsl_place("vLLM", which=lambda _: None)
 
-    assert "wsl --install" in failure.value.problem.message
+    assert "wsl --install" in failure.value.problem.message and failure.value.problem.title == "vLLM needs WSL2"
 
 
 @pytest.mark.parametrize(

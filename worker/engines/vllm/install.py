@@ -1,8 +1,9 @@
-"""vLLM into a virtual environment the app owns, on this machine or inside WSL2 on Windows.
+"""vLLM into a virtual environment the app owns, in the place it is given: this machine, or inside
+WSL2 on Windows.
 
 Every step is a child process with an argument list (no shell) run through a `VenvPlace`, which
-knows where the venv lives and how a command reaches it: directly, or through
-`wsl.exe -d DISTRO --cd ~ -- …` with the venv under the distro user's home. So the same steps
+knows where the venv lives and how a command reaches it (`installing.InstallPlace`): directly, or
+through `wsl.exe -d DISTRO --cd ~ -- …` with the venv under the distro user's home. So the same steps
 serve Linux and Windows, and the user's own Python and packages are never touched: the venv is
 made from a base interpreter and pip runs isolated from the user's configuration.
 
@@ -30,17 +31,24 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePath, PurePosixPath
+from pathlib import Path, PurePath
 
 from worker.contract.events import DownloadProgress, Problem
-from worker.provision.errors import ProvisionError, human_bytes
-from worker.provision.progress import ProgressCallback
-from worker.provision.releases import VllmBuild
+from worker.engines.installing import (
+    EngineInstall,
+    InstallError,
+    InstallPlace,
+    InstallRequest,
+    ProgressCallback,
+    human_bytes,
+    newest_installed,
+    none_shipped,
+)
+from worker.engines.vllm.releases import VllmBuild, VllmReleases
 
 VLLM_CUDA_TAG = "cu129"
 TORCH_INDEX = "https://download.pytorch.org/whl/{tag}"
 MIN_DRIVER_CUDA = (12, 0)
-WSL_ENGINES_DIR = PurePosixPath(".local/share/gpu-provider/engines")
 MARKER = ".gpu-provider-installed"
 TORCH_FAMILY = ("torch", "torchvision", "torchaudio", "torchcodec")
 _SCRUBBED_ENV = (
@@ -109,10 +117,7 @@ class VenvPlace:
     wsl_distro: str | None = None
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        if not self.wsl:
-            return list(argv)
-        distro = ["-d", self.wsl_distro] if self.wsl_distro else []
-        return ["wsl.exe", *distro, "--cd", "~", "--", *argv]
+        return InstallPlace(self.folder.parent, self.wsl, self.wsl_distro).command(argv)
 
     def in_venv(self, name: str) -> str:
         return (
@@ -122,25 +127,15 @@ class VenvPlace:
         )
 
 
+def venv_place(place: InstallPlace, version: str, python: str | None = None) -> VenvPlace:
+    """The venv of `version` in `place`, made from `python` here (the distro's python3 inside WSL2)."""
+    if place.wsl:
+        return VenvPlace(place.folder("vllm", version), "python3", wsl=True, wsl_distro=place.wsl_distro)
+    return VenvPlace(place.folder("vllm", version), python or base_python())
+
+
 def host_place(engines_dir: Path, version: str, python: str | None = None) -> VenvPlace:
-    return VenvPlace(engines_dir / f"vllm-{version}", python or base_python())
-
-
-def wsl_place(
-    version: str, distro: str | None = None, *, which: Callable[[str], str | None] = shutil.which
-) -> VenvPlace:
-    """The venv inside WSL2; a person without WSL2 is told how to turn it on."""
-    if which("wsl.exe") is None:
-        raise ProvisionError(
-            Problem(
-                "vLLM needs WSL2",
-                "On Windows, vLLM runs inside WSL2, which is not installed. Open PowerShell as "
-                "administrator, run `wsl --install`, restart the computer, open Ubuntu once to finish "
-                "its setup, then resume the app.",
-                action="settings",
-            )
-        )
-    return VenvPlace(WSL_ENGINES_DIR / f"vllm-{version}", "python3", wsl=True, wsl_distro=distro)
+    return venv_place(InstallPlace(engines_dir), version, python)
 
 
 def base_python() -> str:
@@ -149,7 +144,7 @@ def base_python() -> str:
         return sys.executable
     found = shutil.which("python3")
     if found is None:
-        raise ProvisionError(
+        raise InstallError(
             Problem(
                 "Python 3 is missing",
                 "Installing vLLM needs Python 3.11 or newer on this machine (python3). Install it from "
@@ -169,7 +164,7 @@ def pip_install_argv(
 ) -> list[str]:
     """pip, isolated from the user's pip config, installing exactly `vllm==version` (the GPU build)."""
     if cuda_driver is not None and cuda_driver < MIN_DRIVER_CUDA:
-        raise ProvisionError(
+        raise InstallError(
             Problem(
                 "NVIDIA driver too old for vLLM",
                 f"The installed NVIDIA driver supports CUDA {cuda_driver[0]}.{cuda_driver[1]}; vLLM needs a "
@@ -300,7 +295,7 @@ async def install_vllm(
     reporter = StepReporter(f"engine vllm {build.installed_version}", on_progress, clock)
     if (problem := _disk_problem(place, build)) is not None:
         reporter.fail(problem.message)
-        raise ProvisionError(problem)
+        raise InstallError(problem)
     if build.local == "cpu":
         installs = cpu_install_steps(place, build, index_url=index_url, find_links=find_links)
     else:
@@ -358,4 +353,32 @@ async def _run_step(place: VenvPlace, argv: list[str], build: VllmBuild, reporte
         + "\nCheck the network connection and free disk space, then resume the app to try again."
     )
     reporter.fail(message)
-    raise ProvisionError(Problem(f"Could not install {build.label}", message, action="check_network"))
+    raise InstallError(Problem(f"Could not install {build.label}", message, action="check_network"))
+
+
+async def install(request: InstallRequest) -> EngineInstall:
+    """The build for the request's runtime (its CPU build on `cpu`; runtime None: the build of the
+    version named, else the GPU build's default), found in the request's place or installed there."""
+    build = _build(request)
+    place = venv_place(request.place, build.installed_version, request.base_python)
+    if not await is_installed(place, build):
+        await install_vllm(place, build, request.on_progress, index_url=request.index_url,
+                           find_links=request.find_links, cuda_driver=request.cuda_driver)
+    return EngineInstall(tuple(place.command([place.in_venv("vllm")])), build.installed_version, place.folder)
+
+
+def _build(request: InstallRequest) -> VllmBuild:
+    """The build asked for; with no version, the newest installed here for this runtime, else its default."""
+    releases = request.releases
+    assert isinstance(releases, VllmReleases), "vLLM's installer reads vLLM's releases"
+    builds = releases.for_runtime(request.runtime)
+    if request.version is not None:
+        chosen = releases.build(request.version, request.runtime)
+    else:
+        by_folder = {b.installed_version: b for b in builds}
+        here = None if request.place.wsl else Path(request.place.engines_dir)
+        installed = here and newest_installed(here, "vllm", tuple(by_folder), lambda f: (f / MARKER).is_file())
+        chosen = by_folder[installed] if installed else (builds[0] if builds else None)
+    if chosen is None:
+        raise InstallError(none_shipped("vLLM"))
+    return chosen

@@ -21,13 +21,15 @@ from packaging.requirements import Requirement
 from tests.support.real_vllm import vllm_python
 from worker.system.config import Paths
 from worker.contract.events import DownloadProgress
-from worker.hardware.installed import find_engines, find_vllm, run_for_version
+from worker.engines.finding import find_engines, run_for_version
+from worker.engines.vllm.find import find_vllm
+from worker.engines.releases import version_problem
+from worker.engines.vllm.install import MARKER, VenvPlace, cpu_install_steps, host_place
+from worker.engines.vllm.releases import SHIPPED, VllmReleases
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError
-from worker.provision.releases import SHIPPED, Releases, version_problem
-from worker.provision.vllm_install import MARKER, VenvPlace, cpu_install_steps, host_place
 
-CPU = SHIPPED.vllm_build("0.32.0", "cpu")
+CPU = SHIPPED.build("0.32.0", "cpu")
 PY = "/usr/bin/python3"
 
 
@@ -48,14 +50,14 @@ PY = "/usr/bin/python3"
     ],
 )
 def test_each_runtime_gets_its_own_vllm_build(version: str, runtime: str, distribution: str | None) -> None:
-    build = SHIPPED.vllm_build(version, runtime)
+    build = SHIPPED.build(version, runtime)
     assert (build.distribution if build else None) == distribution
 
 
 def test_the_default_vllm_build_per_runtime() -> None:
-    assert [b.installed_version for b in SHIPPED.vllm_for("cpu")] == ["0.32.0+cpu"]
-    assert [b.installed_version for b in SHIPPED.vllm_for("native")] == ["0.33.0"]
-    assert SHIPPED.vllm == ("0.33.0", "0.32.0")  # every release, as the adapter lists them
+    assert [b.installed_version for b in SHIPPED.for_runtime("cpu")] == ["0.32.0+cpu"]
+    assert [b.installed_version for b in SHIPPED.for_runtime("native")] == ["0.33.0"]
+    assert SHIPPED.versions(None) == ("0.33.0", "0.32.0")  # every release, as the adapter lists them
     assert CPU is not None and CPU.torch == "2.13.0" and CPU.label == "vLLM 0.32.0 (CPU build)"
 
 
@@ -92,7 +94,7 @@ async def test_the_gpu_build_on_a_cpu_machine_is_refused_before_anything_is_made
 async def test_too_little_disk_for_the_cpu_build_is_refused_before_anything_is_made(tmp_path: Path) -> None:
     assert CPU is not None and CPU.disk_mib == 4608
     free_mib = shutil.disk_usage(tmp_path).free // 2**20
-    bigger = Releases((dataclasses.replace(CPU, disk_mib=free_mib + 100 * 1024),), SHIPPED.llamacpp)
+    bigger = VllmReleases((dataclasses.replace(CPU, disk_mib=free_mib + 100 * 1024),))
     paths = Paths.under(tmp_path / "app")
     progress: list[DownloadProgress] = []
 
