@@ -28,6 +28,7 @@ from bench.report import RESULTS, machine_description
 from worker.contract import protocol
 from worker.node.cli import parse_engine_bins
 from worker.system.config import Paths, Settings, load_settings
+from worker.engines import registry
 from worker.engines.finding import Finder
 from worker.hardware import Machine, detect
 from worker.measure.runs import roofline
@@ -88,7 +89,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     paths = Paths.resolve(args.data_dir).ensure()
     settings = load_settings(paths)
     machine = await asyncio.to_thread(_machine, args, settings)
-    assign = protocol.Assign.model_validate_json(Path(args.assignment).read_text(encoding="utf-8"))
+    assign = protocol.Assign.model_validate_json(Path(args.assignment).read_text(encoding="utf-8"),
+                                                 context={protocol.ENGINE_NAMES: registry.names()})
     chosen = plan(machine, assign, settings)
     if isinstance(chosen, Refusal):
         raise SystemExit(f"the app would refuse this assignment: {chosen.reason}")

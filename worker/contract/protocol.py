@@ -1,6 +1,6 @@
 """Every message of coordinator protocol version 1 as a typed model: parse, validate, serialise.
 
-Pure: no I/O. The connection (`link.py`) and the reference coordinator (`localnet/`) both build
+Pure: no I/O. The connection (`link/connection.py`) and the reference coordinator (`link/local/`) both build
 on this module, so the app and its test peer can never disagree about a shape. The contract is
 `shared/coordinator-protocol.md`.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -29,7 +30,8 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 SHOWN_LIMIT = 80  # characters of a frame's key or value quoted back in a `bad_message` reason
 
-EngineName = str  # a registered engine's name (`worker.engines.registry`); checked where it enters, in `ModelSpec`
+EngineName = str  # a registered engine's name; checked where it enters, in `ModelSpec`, against those handed in
+ENGINE_NAMES = "engine_names"  # the validation context's key for the engines this app runs (`parse_from_coordinator`)
 Runtime = Literal["native", "wsl2", "apple-silicon", "windows", "cpu"]
 State = Literal["idle", "paused", "configured", "starting", "ready", "degraded", "failed", "stopped"]
 Layout = Literal["tensor", "replica", "single", "layers"]
@@ -166,27 +168,31 @@ class EngineModel(_Message):
 class ModelSpec(_Message):
     """The model's `name` and, under each engine's name, that engine's block (`EngineModel`).
 
-    The blocks this app knows are those of the registered engines; a block for any other engine
-    is dropped (logged at info), as a message type this version does not know is. Built in code as
-    on the wire: `ModelSpec(name="m", vllm=EngineModel(...))`."""
+    The blocks this app knows are those of the engines it runs, handed in with the frame
+    (`parse_from_coordinator(engine_names=...)`, or `ENGINE_NAMES` in the validation context); a
+    block for any other engine is dropped (logged at info), as a message type this version does not
+    know is. Built in code, with no names handed in, every block given is one the code meant:
+    `ModelSpec(name="m", vllm=EngineModel(...))`."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
     __pydantic_extra__: dict[EngineName, EngineModel]
     name: str = Field(min_length=1)
 
-    def __init__(self, /, **data: Any) -> None:  # engine blocks are keyword arguments named by engine
-        super().__init__(**data)
+    if TYPE_CHECKING:  # engine blocks are keyword arguments named by engine; at run time pydantic's
+        # own `__init__` stays, as a custom one would validate nested models without their context
+        def __init__(self, /, **data: Any) -> None: ...
 
     @model_validator(mode="before")
     @classmethod
-    def _known_engine_blocks(cls, data: Any) -> Any:
-        """`name` and the blocks of registered engines (a `null` block is no block); nothing else.
+    def _known_engine_blocks(cls, data: Any, info: ValidationInfo) -> Any:
+        """`name` and the blocks of the engines handed in (a `null` block is no block); nothing else.
         One pass in the frame's order (no sorting): a frame may hold a million unknown blocks."""
         if not isinstance(data, dict):
             return data
-        from worker.engines import registry  # the engine adapters import this module's types
-
-        known = set(registry.names())
+        names = info.context.get(ENGINE_NAMES) if isinstance(info.context, dict) else None
+        if names is None:  # built in code: its blocks are the ones it names
+            return {key: value for key, value in data.items() if value is not None}
+        known = set(names)
         if unknown := [key for key in data if key != "name" and key not in known]:
             log.info("model %.80r: ignoring %d block(s) for engines this app does not run: %.200s",
                      data.get("name"), len(unknown), ", ".join(repr(str(key)) for key in unknown[:5]))
@@ -413,12 +419,13 @@ def _ref(data: dict[str, Any]) -> str | None:
     return ref if isinstance(ref, str) else None
 
 
-def _parse(frame: str | bytes, adapter: TypeAdapter[_Parsed], known: frozenset[str]) -> _Parsed | Unknown:
+def _parse(frame: str | bytes, adapter: TypeAdapter[_Parsed], known: frozenset[str],
+           context: dict[str, Any] | None = None) -> _Parsed | Unknown:
     data = _decode(frame)
     if data["type"] not in known:
         return Unknown(type=data["type"])
     try:
-        return adapter.validate_python(data)
+        return adapter.validate_python(data, context=context)
     except (ValidationError, RecursionError) as exc:
         raise BadMessage(_summarise(exc, data["type"]), _ref(data), data["type"]) from None
 
@@ -439,9 +446,10 @@ def _summarise(exc: Exception, message_type: str) -> str:
     return f"invalid {message_type!r} message: nested too deeply"
 
 
-def parse_from_coordinator(frame: str | bytes) -> CoordinatorMessage | Unknown:
-    """A frame the node received → a typed message or `Unknown`; raises `BadMessage`."""
-    return _parse(frame, _FROM_COORDINATOR, _COORDINATOR_TYPES)
+def parse_from_coordinator(frame: str | bytes, *, engine_names: Collection[str]) -> CoordinatorMessage | Unknown:
+    """A frame the node received → a typed message or `Unknown`; raises `BadMessage`. An
+    assignment's engine blocks are read for `engine_names` (the engines this app runs) only."""
+    return _parse(frame, _FROM_COORDINATOR, _COORDINATOR_TYPES, {ENGINE_NAMES: tuple(engine_names)})
 
 
 def parse_from_node(frame: str | bytes) -> NodeMessage | Batch | Unknown:

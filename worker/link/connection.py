@@ -42,6 +42,7 @@ from websockets.exceptions import (
 from worker import __version__
 from worker.contract import events
 from worker.contract import protocol
+from worker.engines import registry
 from worker.link.outgoing import Outgoing
 
 log = logging.getLogger(__name__)
@@ -310,7 +311,7 @@ class Link:
 
     async def _dispatch(self, frame: str | bytes) -> None:
         try:
-            message = protocol.parse_from_coordinator(frame)
+            message = protocol.parse_from_coordinator(frame, engine_names=registry.names())
         except protocol.BadMessage as exc:
             log.warning("coordinator sent a bad message: %s", exc)
             await self.send(exc.reply())

@@ -203,13 +203,15 @@ def parse_engine_bins(values: Sequence[str]) -> dict[str, str]:
 
 
 def run_plan(args: argparse.Namespace, settings: Settings) -> int:
+    from worker.engines import registry
     from worker.hardware import Machine
     from worker.plan.planner import Refusal, plan
-    from worker.contract.protocol import Assign
+    from worker.contract.protocol import ENGINE_NAMES, Assign
 
     try:
         machine = _load(args.hardware, "hardware", lambda p: Machine.from_detect_json(_read_json(p)))
-        assign = _load(args.assignment, "assignment", lambda p: Assign.model_validate(_read_json(p)))
+        assign = _load(args.assignment, "assignment", lambda p: Assign.model_validate(
+            _read_json(p), context={ENGINE_NAMES: registry.names()}))
     except InputError as exc:
         return _print_error(str(exc))
     result = plan(machine, assign, settings)

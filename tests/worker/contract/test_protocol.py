@@ -8,6 +8,12 @@ from hypothesis import strategies as st
 
 from worker.contract import protocol
 
+ENGINES = ("vllm", "llamacpp")  # the engines the node hands in; the contract itself knows none
+
+
+def from_coordinator(frame: str | bytes) -> protocol.CoordinatorMessage | protocol.Unknown:
+    return protocol.parse_from_coordinator(frame, engine_names=ENGINES)
+
 HARDWARE = {
     "gpus": [{"index": 0, "uuid": "GPU-1", "name": "NVIDIA GeForce RTX 4090", "vendor": "nvidia",
               "memory_total_mib": 24564, "memory_free_mib": 23980, "compute_capability": "8.9",
@@ -58,9 +64,9 @@ FROM_NODE = [
 
 @pytest.mark.parametrize("document", FROM_COORDINATOR, ids=lambda d: d["type"])
 def test_every_coordinator_message_round_trips(document: dict) -> None:
-    message = protocol.parse_from_coordinator(json.dumps(document))
+    message = from_coordinator(json.dumps(document))
     assert message.type == document["type"]
-    assert protocol.parse_from_coordinator(protocol.encode(message)) == message
+    assert from_coordinator(protocol.encode(message)) == message
 
 
 @pytest.mark.parametrize("document", FROM_NODE, ids=lambda d: d["type"])
@@ -76,13 +82,13 @@ def test_encoded_chunk_keeps_multibyte_text() -> None:
 
 
 def test_unknown_type_is_unknown_not_an_error() -> None:
-    assert protocol.parse_from_coordinator('{"type": "telemetry.v2", "x": 1}') == protocol.Unknown(type="telemetry.v2")
+    assert from_coordinator('{"type": "telemetry.v2", "x": 1}') == protocol.Unknown(type="telemetry.v2")
     # a node-only type coming from the coordinator is unknown to the node, too
-    assert isinstance(protocol.parse_from_coordinator('{"type": "hello"}'), protocol.Unknown)
+    assert isinstance(from_coordinator('{"type": "hello"}'), protocol.Unknown)
 
 
 def test_extra_fields_are_ignored_so_the_coordinator_can_add_some() -> None:
-    message = protocol.parse_from_coordinator('{"type": "cancel", "id": "r-1", "reason": "later"}')
+    message = from_coordinator('{"type": "cancel", "id": "r-1", "reason": "later"}')
     assert message == protocol.Cancel(id="r-1")
 
 
@@ -90,18 +96,31 @@ def test_an_engine_block_this_app_does_not_run_is_ignored_as_an_unknown_type_is(
     """The coordinator may offer engines a newer node runs; their blocks, whatever their shape,
     neither refuse the assignment nor reach a plan."""
     model = {"name": "m", "vllm": ENGINE_MODEL, "sglang": {"source": 7, "tiers": "no"}, "llamacpp": None}
-    message = protocol.parse_from_coordinator(json.dumps({"type": "assign", "assignment_id": "a", "model": model}))
+    message = from_coordinator(json.dumps({"type": "assign", "assignment_id": "a", "model": model}))
     assert isinstance(message, protocol.Assign)
     assert message.model == protocol.ModelSpec(name="m", vllm=protocol.EngineModel.model_validate(ENGINE_MODEL))
     assert message.model.for_engine("sglang") is None and message.model.for_engine("llamacpp") is None
     assert set(json.loads(protocol.encode(message))["model"]) == {"name", "vllm"}
 
 
+def test_the_engines_read_are_the_names_handed_in_with_the_frame() -> None:
+    """The contract reads no registry: the same block is read or dropped by the names the caller
+    hands in; a model built in code keeps the blocks it names."""
+    frame = json.dumps({"type": "assign", "assignment_id": "a", "model": {"name": "m", "toy": ENGINE_MODEL}})
+    without = protocol.parse_from_coordinator(frame, engine_names=ENGINES)
+    with_toy = protocol.parse_from_coordinator(frame, engine_names=(*ENGINES, "toy"))
+    assert isinstance(without, protocol.Assign) and without.model.engines == {}
+    assert isinstance(with_toy, protocol.Assign) and with_toy.model.for_engine("toy") is not None
+    built = protocol.ModelSpec(name="m", toy=protocol.EngineModel.model_validate(ENGINE_MODEL), vllm=None)
+    assert set(built.engines) == {"toy"}
+    assert protocol.Assign.model_validate(json.loads(frame), context={protocol.ENGINE_NAMES: ()}).model.engines == {}
+
+
 def test_many_unknown_engine_blocks_are_dropped_in_one_pass_and_named_in_the_frames_order(caplog) -> None:
     blocks = {f"engine-{i}": {"source": "x"} for i in range(200_000, 0, -1)}  # sorting would put engine-1 first
     frame = json.dumps({"type": "assign", "assignment_id": "a", "model": {"name": "m", **blocks, "vllm": ENGINE_MODEL}})
     with caplog.at_level("INFO", logger="worker.contract.protocol"):
-        message = protocol.parse_from_coordinator(frame)
+        message = from_coordinator(frame)
     assert isinstance(message, protocol.Assign) and set(message.model.engines) == {"vllm"}
     assert ("ignoring 200000 block(s) for engines this app does not run: 'engine-200000', 'engine-199999', "
             "'engine-199998', 'engine-199997', 'engine-199996'") in caplog.text
@@ -115,7 +134,7 @@ def test_a_deeply_nested_assign_frame_is_a_bad_message_never_a_crash(depth: int)
     frame = json.dumps({"type": "assign", "assignment_id": "a-9", "model": {"name": "m", "vllm": {
         **ENGINE_MODEL, "base_args": "BASE"}}}).replace('"BASE"', deep)
     with pytest.raises(protocol.BadMessage) as raised:
-        protocol.parse_from_coordinator(frame)
+        from_coordinator(frame)
     if depth < 1000:
         assert (raised.value.message_type, raised.value.ref) == ("assign", "a-9")
     else:
@@ -128,7 +147,7 @@ def test_a_bad_messages_reason_quotes_a_huge_key_short(tiers: dict[str, list[obj
     frame = json.dumps({"type": "assign", "assignment_id": "a-9", "model": {"name": "m", "vllm": {
         **ENGINE_MODEL, "tiers": tiers}}})
     with pytest.raises(protocol.BadMessage) as raised:
-        protocol.parse_from_coordinator(frame)
+        from_coordinator(frame)
     assert str(raised.value).startswith("invalid 'assign' message: model.vllm.tiers")
     assert "…" in str(raised.value) and len(str(raised.value)) < 300
 
@@ -146,13 +165,13 @@ def test_a_bad_messages_reason_quotes_a_huge_key_short(tiers: dict[str, list[obj
 ])
 def test_malformed_messages_are_bad_with_a_reason(frame: str, fragment: str) -> None:
     with pytest.raises(protocol.BadMessage) as caught:
-        protocol.parse_from_coordinator(frame)
+        from_coordinator(frame)
     assert fragment in str(caught.value)
 
 
 def test_bad_message_reply_refers_to_the_request() -> None:
     with pytest.raises(protocol.BadMessage) as caught:
-        protocol.parse_from_coordinator('{"type": "request", "id": "r-7", "method": "POST"}')
+        from_coordinator('{"type": "request", "id": "r-7", "method": "POST"}')
     reply = caught.value.reply()
     assert (reply.type, reply.code, reply.ref) == ("error", "bad_message", "r-7")
     assert "path" in reply.message
@@ -160,27 +179,27 @@ def test_bad_message_reply_refers_to_the_request() -> None:
 
 def test_binary_frames_are_refused() -> None:
     with pytest.raises(protocol.BadMessage, match="binary"):
-        protocol.parse_from_coordinator(b'{"type": "pause"}')
+        from_coordinator(b'{"type": "pause"}')
 
 
 def test_frames_over_16_mib_are_refused_before_parsing() -> None:
     frame = '{"type": "error", "code": "x", "message": "' + "é" * (protocol.MAX_FRAME_BYTES // 2) + '"}'
     with pytest.raises(protocol.BadMessage, match="over the"):
-        protocol.parse_from_coordinator(frame)
+        from_coordinator(frame)
     with pytest.raises(protocol.BadMessage, match="over the"):
-        protocol.parse_from_coordinator(b"x" * (protocol.MAX_FRAME_BYTES + 1))
+        from_coordinator(b"x" * (protocol.MAX_FRAME_BYTES + 1))
 
 
 def test_a_frame_just_under_the_limit_is_accepted() -> None:
     padding = "a" * (protocol.MAX_FRAME_BYTES - 100)
-    message = protocol.parse_from_coordinator('{"type": "error", "code": "x", "message": "' + padding + '"}')
+    message = from_coordinator('{"type": "error", "code": "x", "message": "' + padding + '"}')
     assert len(message.message) == len(padding)
 
 
 def test_deep_nesting_is_a_bad_message_not_a_crash() -> None:
     deep = '{"type": "request", "id": "r", "method": "POST", "path": "/v1/x", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
     with pytest.raises(protocol.BadMessage):
-        protocol.parse_from_coordinator(deep)
+        from_coordinator(deep)
 
 
 def test_signed_update_payload_binds_version_and_lower_case_hash() -> None:
@@ -198,7 +217,7 @@ message_types = st.sampled_from(sorted({d["type"] for d in FROM_COORDINATOR + FR
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.text(), st.binary()))
 def test_parser_raises_only_bad_message_on_arbitrary_frames(frame: str | bytes) -> None:
-    for parse in (protocol.parse_from_coordinator, protocol.parse_from_node):
+    for parse in (from_coordinator, protocol.parse_from_node):
         try:
             parse(frame)
         except protocol.BadMessage:
@@ -211,7 +230,7 @@ def test_parser_raises_only_bad_message_on_arbitrary_frames(frame: str | bytes) 
      "heartbeat_s", "deadline_s", "hardware", "platform", "engines", "state", "version"]), json_values, max_size=6))
 def test_parser_raises_only_bad_message_on_arbitrary_objects(kind: str, fields: dict) -> None:
     frame = json.dumps({"type": kind, **fields})
-    for parse in (protocol.parse_from_coordinator, protocol.parse_from_node):
+    for parse in (from_coordinator, protocol.parse_from_node):
         try:
             message = parse(frame)
         except protocol.BadMessage as exc:
@@ -249,4 +268,4 @@ def test_a_batch_holds_only_node_messages_that_could_be_sent_alone(inner: dict) 
 def test_an_empty_batch_is_refused_and_the_coordinator_sends_none() -> None:
     with pytest.raises(protocol.BadMessage, match="batch"):
         protocol.parse_from_node('{"type": "batch", "messages": []}')
-    assert isinstance(protocol.parse_from_coordinator('{"type": "batch", "messages": []}'), protocol.Unknown)
+    assert isinstance(from_coordinator('{"type": "batch", "messages": []}'), protocol.Unknown)

@@ -48,7 +48,7 @@ def assign_frame(**blocks: Any) -> str:
 
 
 def parsed(**blocks: Any) -> protocol.Assign:
-    message = protocol.parse_from_coordinator(assign_frame(**blocks))
+    message = protocol.parse_from_coordinator(assign_frame(**blocks), engine_names=registry.names())
     assert isinstance(message, protocol.Assign)
     return message
 

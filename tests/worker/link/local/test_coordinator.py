@@ -123,7 +123,7 @@ async def test_welcome_lists_batch_only_when_the_coordinator_batches(batch: bool
     async with ReferenceCoordinator(token=TOKEN, batch=batch) as reference, \
             connect(reference.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
         await ws.send(protocol.encode(HELLO))
-        welcome = protocol.parse_from_coordinator(await ws.recv())
+        welcome = protocol.parse_from_coordinator(await ws.recv(), engine_names=())
         assert isinstance(welcome, protocol.Welcome) and welcome.features == (["batch"] if batch else [])
 
 
