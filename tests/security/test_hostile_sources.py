@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.provision.sources import BadSource, check_source
+from worker.plan.sources import BadSource, check_source
 
 SHA = "ab" * 32
 

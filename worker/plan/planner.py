@@ -58,7 +58,7 @@ from worker.engines.base import Launch
 from worker.engines.layout import FIT_SHARE, Unit, fits
 from worker.hardware.model import Machine
 from worker.engines.releases import version_problem
-from worker.provision.sources import BadSource, check_source
+from worker.plan.sources import BadSource, check_source
 
 log = logging.getLogger(__name__)
 

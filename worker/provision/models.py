@@ -41,7 +41,7 @@ from worker.provision.problems import Downloader, SizeCap, fetch
 from worker.engines.installing import human_bytes
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback
-from worker.provision.sources import BadSource, ModelSource, check_source, under_system_folder
+from worker.plan.sources import BadSource, ModelSource, check_source, under_system_folder
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB

@@ -26,7 +26,7 @@ from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.engines.releases import version_problem
-from worker.provision.sources import BadSource, check_source
+from worker.plan.sources import BadSource, check_source
 from worker.serve.restart_policy import SupervisorTiming
 from worker.serve.supervisor import EngineSupervisor
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from worker.contract import protocol
-from worker.provision.sources import BadSource, parse_source
+from worker.plan.sources import BadSource, parse_source
 
 DEFAULT_LOCAL_MODEL = (
     "https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF/resolve/main/qwen2.5-0.5b-instruct-q4_k_m.gguf"
