@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import replace
 
-from worker.serve.diagnosis import engine_problem, offline_problem
+from worker.node.provision_failure import offline_problem
+from worker.serve.diagnosis import engine_problem
 from worker.contract.events import (
     ConnectionSnapshot,
     ContextNumbers,

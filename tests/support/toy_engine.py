@@ -25,6 +25,7 @@ from worker.engines import layout
 from worker.engines.allowlist import AllowedFlag, Allowlist, IntValue
 from worker.engines.base import (
     Endpoint,
+    FailureHint,
     Launch,
     Listening,
     LogFact,
@@ -65,6 +66,7 @@ METRIC_NAMES: Mapping[str, tuple[str, ...]] = {
     "generation_tokens": ("toy_generated_tokens",),
 }
 READY_READS: tuple[str, ...] = (PROPS,)
+FAILURE_HINTS: tuple[FailureHint, ...] = (FailureHint(re.compile(r"^toy: no room for \d+ slots"), "out_of_memory"),)
 PRIVATE_ENV_PREFIXES: tuple[str, ...] = ("TOY_SETTING_",)
 RELEASES = ListedReleases(("1.0",))  # no installer: it runs from `--engine-bin`
 

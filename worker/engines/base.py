@@ -191,6 +191,8 @@ class EngineAdapter(Protocol):
     METRICS_PREFIX: str  # every series of its /metrics starts so (tells an unnamed page's engine)
     METRIC_NAMES: Mapping[str, tuple[str, ...]]  # `EngineMetrics` quantity → series names, newest first
     READY_READS: tuple[str, ...]  # paths read once ready, for `ready_snapshot`
+    # Its failure lines and their causes, the first that matches winning (`hints.py`).
+    FAILURE_HINTS: tuple[FailureHint, ...]
     KEY_VARIABLE: str  # the environment variable it reads this run's API key from; no child inherits one
     PRIVATE_ENV_PREFIXES: tuple[str, ...]  # variables that configure it behind its command line; never inherited
 
@@ -231,6 +233,18 @@ class EngineAdapter(Protocol):
 
 
 Run = tuple[str, Sequence[str]]  # one argument list an engine may start with, and where it came from ("tier 24000")
+
+# What an engine's own failure line says went wrong, which `serve.diagnosis` words for people.
+FailureCause = Literal["out_of_memory", "port_taken", "gpu_too_old", "driver_too_old", "not_in_wsl2",
+                       "model_unreadable"]
+
+
+@dataclass(frozen=True)
+class FailureHint:
+    """A line this engine prints when it fails (`pattern`, searched in its last lines) and its cause."""
+
+    pattern: re.Pattern[str]
+    cause: FailureCause
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from worker.contract import protocol
 from worker.node.autopause import AutoPauser
 from worker.system.config import Paths, Settings, State, load_state, save_state
 from worker.system.datalock import DataFolderInUse, DataFolderLock
-from worker.serve.diagnosis import network_failure, offline_problem, provision_problem
+from worker.node.provision_failure import network_failure, offline_problem, provision_problem
 from worker.serve.engine_set import EngineSet
 from worker.contract.events import EngineSnapshot, NodeSnapshot, NodeState, Problem
 from worker.measure.gpu_watch import GpuWatch

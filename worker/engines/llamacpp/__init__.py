@@ -19,6 +19,7 @@ from worker.engines.llamacpp import args as llamacpp_args
 from worker.engines.llamacpp.install import install
 from worker.engines.llamacpp import memory
 from worker.engines.llamacpp.find import find_llama_server
+from worker.engines.llamacpp.hints import FAILURE_HINTS
 from worker.engines.llamacpp.log import parse_line
 from worker.engines.llamacpp.metrics import NAMES as METRIC_NAMES
 from worker.engines.llamacpp.metrics import PREFIX as METRICS_PREFIX
@@ -116,7 +117,8 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 
 
 __all__ = [
-    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FALLBACK_RUNTIMES", "KEY_VARIABLE",
+    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
+    "FALLBACK_RUNTIMES", "KEY_VARIABLE",
     "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
     "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics", "environment", "find_installed", "install",
     "parse_line", "ready_snapshot", "runtime_environment", "start_problem", "tier_warning", "units",

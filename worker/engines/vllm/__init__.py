@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from worker.engines.base import Endpoint, Launch, ModelFormat, Slots, VersionRunner, cuda_environment
 from worker.engines.vllm.find import find_vllm
+from worker.engines.vllm.hints import FAILURE_HINTS
 from worker.engines.vllm import args as vllm_args
 from worker.engines.vllm.install import install
 from worker.engines.vllm.log import parse_line
@@ -99,7 +100,8 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 
 
 __all__ = [
-    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FALLBACK_RUNTIMES", "KEY_VARIABLE",
+    "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
+    "FALLBACK_RUNTIMES", "KEY_VARIABLE",
     "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
     "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics",
     "environment", "find_installed", "install", "parse_line", "ready_snapshot",
