@@ -70,7 +70,7 @@ async def ensure_engine(
         raise ProvisionError(Problem("Engine version not allowed", problem + ".", action="update"))
     if not isinstance(adapter, Installer):
         raise ProvisionError(_no_installer(engine))
-    wsl = os.name == "nt" and "windows" not in adapter.RUNTIMES if use_wsl is None else use_wsl
+    wsl = in_wsl(adapter.RUNTIMES) if use_wsl is None else use_wsl
     place = wsl_place(adapter.DISPLAY_NAME, wsl_distro) if wsl else InstallPlace(paths.engines_dir)
     async with _downloader(downloader) as loader:
         request = InstallRequest(
@@ -82,6 +82,12 @@ async def ensure_engine(
             return await adapter.install(request)
         except InstallError as exc:
             raise ProvisionError(exc.problem) from exc
+
+
+def in_wsl(runtimes: Collection[str], system: str = os.name) -> bool:
+    """Whether an engine serving `runtimes` installs inside WSL2: on Windows, one that does not run
+    on Windows itself (it serves `wsl2`, a Windows machine's NVIDIA cards through WSL2, instead)."""
+    return system == "nt" and "windows" not in runtimes
 
 
 def wsl_place(name: str, distro: str | None = None, *,

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from worker.hardware import Gpu, Machine
-from worker.provision.engine_install import accelerator_of, cuda_version, library_env
+from worker.engines import get_adapter
+from worker.provision.engine_install import accelerator_of, cuda_version, in_wsl, library_env
 
 CARD = Gpu(index=0, uuid="GPU-0", name="NVIDIA GeForce RTX 4090", memory_total_mib=24564, memory_free_mib=23000,
            usable_mib=20188)
@@ -42,3 +43,13 @@ def test_library_env_only_for_a_folder_with_shared_libraries(tmp_path: Path, mon
     assert library_env(tmp_path) == {"LD_LIBRARY_PATH": f"{tmp_path}:/opt/existing"}
     monkeypatch.delenv("LD_LIBRARY_PATH")
     assert library_env(tmp_path) == {"LD_LIBRARY_PATH": str(tmp_path)}
+
+
+@pytest.mark.parametrize(("engine", "system", "wsl"), [
+    ("vllm", "nt", True),  # Linux only: inside WSL2 on Windows
+    ("llamacpp", "nt", False),  # a Windows build of its own
+    ("vllm", "posix", False),
+    ("llamacpp", "posix", False),
+])
+def test_an_engine_that_does_not_run_on_windows_installs_inside_wsl2_there(engine: str, system: str, wsl: bool) -> None:
+    assert in_wsl(get_adapter(engine).RUNTIMES, system) is wsl
