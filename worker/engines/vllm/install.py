@@ -376,9 +376,9 @@ def _build(request: InstallRequest) -> VllmBuild:
         chosen = releases.build(request.version, request.runtime)
     else:
         by_folder = {b.installed_version: b for b in builds}
-        here = None if request.place.wsl else Path(request.place.engines_dir)
-        installed = here and newest_installed(here, "vllm", tuple(by_folder), lambda f: (f / MARKER).is_file())
-        chosen = by_folder[installed] if installed else (builds[0] if builds else None)
+        installed = None if request.place.wsl else newest_installed(  # inside WSL2: the default
+            Path(request.place.engines_dir), "vllm", tuple(by_folder), lambda folder: (folder / MARKER).is_file())
+        chosen = by_folder[installed] if installed is not None else (builds[0] if builds else None)
     if chosen is None:
         raise InstallError(none_shipped("vLLM"))
     return chosen
