@@ -28,6 +28,7 @@ from worker.engines.base import (
     FailureHint,
     Launch,
     Listening,
+    LocalDefaults,
     LogFact,
     ModelFormat,
     PhaseReached,
@@ -66,6 +67,7 @@ METRIC_NAMES: Mapping[str, tuple[str, ...]] = {
     "generation_tokens": ("toy_generated_tokens",),
 }
 READY_READS: tuple[str, ...] = (PROPS,)
+LOCAL_DEFAULTS = LocalDefaults(("--slots", "2"))
 FAILURE_HINTS: tuple[FailureHint, ...] = (FailureHint(re.compile(r"^toy: no room for \d+ slots"), "out_of_memory"),)
 PRIVATE_ENV_PREFIXES: tuple[str, ...] = ("TOY_SETTING_",)
 RELEASES = ListedReleases(("1.0",))  # no installer: it runs from `--engine-bin`

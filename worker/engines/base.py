@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 from worker.engines import registry
@@ -157,6 +157,15 @@ VersionRunner = Callable[[list[str], float, Union[Mapping[str, str], None]], Uni
 
 
 @dataclass(frozen=True)
+class LocalDefaults:
+    """What local mode (`--coordinator local --model M`, no network) asks this engine for, as an
+    assignment would: its base arguments and tiers (threshold MiB → arguments)."""
+
+    base_args: tuple[str, ...]
+    tiers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Launch:
     """What one engine process is started with; each adapter turns it into its own command line.
     The API key is not here: it travels in the environment, never on a command line."""
@@ -193,6 +202,7 @@ class EngineAdapter(Protocol):
     READY_READS: tuple[str, ...]  # paths read once ready, for `ready_snapshot`
     # Its failure lines and their causes, the first that matches winning (`hints.py`).
     FAILURE_HINTS: tuple[FailureHint, ...]
+    LOCAL_DEFAULTS: LocalDefaults  # local mode's block for a model of its `MODEL_FORMAT`
     KEY_VARIABLE: str  # the environment variable it reads this run's API key from; no child inherits one
     PRIVATE_ENV_PREFIXES: tuple[str, ...]  # variables that configure it behind its command line; never inherited
 

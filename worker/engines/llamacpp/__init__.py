@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from worker.engines import layout
-from worker.engines.base import Endpoint, Launch, ModelFormat, Room, Run, VersionRunner, cuda_environment
+from worker.engines.base import Endpoint, Launch, LocalDefaults, ModelFormat, Room, Run, VersionRunner, cuda_environment
 from worker.engines.layout import Unit
 from worker.engines.llamacpp import args as llamacpp_args
 from worker.engines.llamacpp.install import install
@@ -41,6 +41,8 @@ MEMORY_SHARE = False  # `--fit off` instead: a context that does not fit fails, 
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("llama-server",)
 ALLOWED_ARGS = llamacpp_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
 KEY_VARIABLE = "LLAMA_API_KEY"
+LOCAL_DEFAULTS = LocalDefaults(("--ctx-size", "4096"), {"8000": ("--ctx-size", "8192"),
+                                                    "16000": ("--ctx-size", "16384")})
 PRIVATE_ENV_PREFIXES: tuple[str, ...] = ("LLAMA_ARG_",)  # any of its flags, set behind the command line
 
 # /health and /v1/models are public; /metrics, /props and /slots need the key once one is set (B4).
@@ -118,7 +120,7 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
-    "FALLBACK_RUNTIMES", "KEY_VARIABLE",
+    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS",
     "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
     "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics", "environment", "find_installed", "install",
     "parse_line", "ready_snapshot", "runtime_environment", "start_problem", "tier_warning", "units",

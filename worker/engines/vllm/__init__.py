@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from worker.engines.base import Endpoint, Launch, ModelFormat, Slots, VersionRunner, cuda_environment
+from worker.engines.base import Endpoint, Launch, LocalDefaults, ModelFormat, Slots, VersionRunner, cuda_environment
 from worker.engines.vllm.find import find_vllm
 from worker.engines.vllm.hints import FAILURE_HINTS
 from worker.engines.vllm import args as vllm_args
@@ -38,6 +38,7 @@ MEMORY_SHARE = True  # `--gpu-memory-utilization`: its start-up check fails on a
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("vllm",)
 ALLOWED_ARGS = vllm_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
 READY_READS: tuple[str, ...] = ()  # its log and /v1/models say all there is to know
+LOCAL_DEFAULTS = LocalDefaults(("--max-model-len", "8192"))
 KEY_VARIABLE = "VLLM_API_KEY"  # read when `--api-key` is absent
 PRIVATE_ENV_PREFIXES: tuple[str, ...] = ()
 
@@ -101,7 +102,7 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
-    "FALLBACK_RUNTIMES", "KEY_VARIABLE",
+    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS",
     "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
     "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics",
     "environment", "find_installed", "install", "parse_line", "ready_snapshot",

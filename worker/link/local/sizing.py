@@ -1,9 +1,11 @@
 """Local mode's model rules: which `assign` a person's `--model` becomes, and how large it is.
 
-llama.cpp serves a GGUF file (a path, or an https URL with its sha256); vLLM serves a model
-folder or a Hugging Face repository, on the runtimes that have it (on `cpu`, its CPU build: where
-it is not installed, the plan refuses the folder and says a GGUF file is needed). The size is measured on
-disk for a local path and estimated from the name otherwise; the plan needs it up front.
+A GGUF file (a path, or an https URL with its sha256) or a model folder / Hugging Face repository
+goes to the first engine of this machine's runtime (`registry.for_runtime`, preference order) whose
+`MODEL_FORMAT` reads it, with that engine's `LOCAL_DEFAULTS`; where none does, the person is told
+which form the engines here need. (On `cpu` a folder goes to the engine that serves it there only
+where installed; where it is not, the plan refuses the folder and says so.) The size is measured
+on disk for a local path and estimated from the name otherwise; the plan needs it up front.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import re
 from pathlib import Path
 
 from worker.contract import protocol
+from worker.engines import registry
+from worker.engines.base import EngineAdapter, ModelFormat
 from worker.plan.sources import BadSource, parse_source
 
 DEFAULT_LOCAL_MODEL = (
@@ -20,10 +24,10 @@ DEFAULT_LOCAL_MODEL = (
 )
 DEFAULT_LOCAL_MODEL_MIB = 470
 LOCAL_ASSIGNMENT_ID = "local-1"
-VLLM_RUNTIMES = frozenset({"native", "wsl2", "cpu"})  # as vLLM's adapter: its CPU build on `cpu`
-_LLAMACPP_ARGS = ["--ctx-size", "4096"]
-_LLAMACPP_TIERS = {"8000": ["--ctx-size", "8192"], "16000": ["--ctx-size", "16384"]}
-_VLLM_ARGS = ["--max-model-len", "8192"]
+_FORMS: dict[ModelFormat, tuple[str, str]] = {  # what a format is, and how a person gives one
+    "gguf": ("a .gguf file", "Give a GGUF file's path or https:// URL"),
+    "folder": ("a model folder or Hugging Face repository", "Give a model folder's path or a repository id (org/name)"),
+}
 _PARAMS = re.compile(r"(\d+(?:\.\d+)?)\s*[bB](?![a-zA-Z])")
 _BYTES_PER_PARAM = (("q2", 0.35), ("q3", 0.45), ("q4", 0.6), ("q5", 0.7), ("q6", 0.82), ("q8", 1.07),
                     ("awq", 0.6), ("gptq", 0.6), ("w4a16", 0.6), ("int4", 0.6), ("fp8", 1.05), ("w8a8", 1.05))
@@ -36,8 +40,8 @@ class LocalModelError(ValueError):
 
 
 def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int | None = None) -> protocol.Assign:
-    """The `assign` local mode sends: llama.cpp for a GGUF file (path or URL), vLLM for a model
-    folder or Hugging Face repo. A local path is measured on disk (a few stat calls: call this
+    """The `assign` local mode sends: the block of the first engine of `runtime` that reads the
+    model's form (a GGUF file, path or URL; or a model folder or Hugging Face repo). A local path is measured on disk (a few stat calls: call this
     from a thread). A URL carries its hash as `URL#sha256=HEX`: downloads are always verified."""
     text = model or DEFAULT_LOCAL_MODEL
     text, sha256 = _split_hash(text)
@@ -55,18 +59,31 @@ def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int
         raise LocalModelError(
             f"{text!r} is a download without its sha256; add it as {text}#sha256=HASH (the hash the model's "
             "page lists), or download the file and give its path")
-    if not gguf and runtime not in VLLM_RUNTIMES:
-        raise LocalModelError(
-            f"this machine runs llama.cpp only (runtime {runtime!r}), which needs a .gguf file; "
-            f"{text!r} is not one. Give a GGUF file's path or https:// URL")
+    adapter = _engine_for(runtime, "gguf" if gguf else "folder", text)
     size = weights_mib or _weights_mib(source.kind, source.value, model is None)
     name = re.sub(r"\.gguf$", "", source.label, flags=re.IGNORECASE).lower()
-    if gguf:
-        spec = protocol.EngineModel(source=source.value, sha256=sha256, weights_mib=size, base_args=_LLAMACPP_ARGS,
-                                    tiers=_LLAMACPP_TIERS)
-        return protocol.Assign(assignment_id=LOCAL_ASSIGNMENT_ID, model=protocol.ModelSpec(name=name, llamacpp=spec))
-    spec = protocol.EngineModel(source=source.value, weights_mib=size, base_args=_VLLM_ARGS)
-    return protocol.Assign(assignment_id=LOCAL_ASSIGNMENT_ID, model=protocol.ModelSpec(name=name, vllm=spec))
+    defaults = adapter.LOCAL_DEFAULTS
+    spec = protocol.EngineModel(source=source.value, sha256=sha256 if gguf else None, weights_mib=size,
+                                base_args=list(defaults.base_args),
+                                tiers={key: list(args) for key, args in defaults.tiers.items()})
+    return protocol.Assign(assignment_id=LOCAL_ASSIGNMENT_ID, model=protocol.ModelSpec(name=name, **{adapter.NAME: spec}))
+
+
+def _engine_for(runtime: str, form: ModelFormat, text: str) -> EngineAdapter:
+    """The first engine of `runtime` that reads `form`; LocalModelError naming those that run here
+    and the form they need where none does."""
+    serving = registry.for_runtime(runtime)
+    for adapter in serving:
+        if adapter.MODEL_FORMAT == form:
+            return adapter
+    if not serving:
+        raise LocalModelError(f"this machine's runtime ({runtime}) runs none of the engines this app has")
+    names = " and ".join(dict.fromkeys(adapter.DISPLAY_NAME for adapter in serving))
+    needed = next(iter(dict.fromkeys(adapter.MODEL_FORMAT for adapter in serving)))
+    what, give = _FORMS[needed]
+    verb = "needs" if len(serving) == 1 else "need"
+    raise LocalModelError(f"this machine runs {names} only (runtime {runtime!r}), which {verb} {what}; "
+                          f"{text!r} is not one. {give}")
 
 
 def typed_path(text: str) -> str:

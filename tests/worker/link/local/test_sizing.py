@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support import toy_engine
 from tests.worker.engines.test_vllm_cpu import cpu_machine
+from worker.engines import registry
 from worker.system.config import Settings
 from worker.engines.vllm.planning import NO_CPU_BUILD
 from worker.link.local import DEFAULT_LOCAL_MODEL, LocalModelError, local_assignment
@@ -97,3 +100,31 @@ def test_a_path_typed_relative_to_the_working_directory_is_used(tmp_path, monkey
         assert block is not None and block.source == str(tmp_path / "demo" / "Tiny-1B-Q4_K_M.gguf")
     repo = local_assignment("native", "Qwen/Qwen2.5-7B-Instruct-AWQ").model.for_engine("vllm")
     assert repo is not None and repo.source == "Qwen/Qwen2.5-7B-Instruct-AWQ"
+
+
+def test_a_gguf_file_where_no_engine_here_reads_one_says_which_form_is_needed() -> None:
+    """On a `native` machine the engines take folders or repositories: a GGUF file (the default
+    model too) is refused here, naming them, rather than assigned to an engine this runtime lacks."""
+    with pytest.raises(LocalModelError, match=r"this machine runs vLLM.* only \(runtime 'native'\).*model folder"):
+        local_assignment("native", "https://example.org/m/Tiny-1B-Q4_K_M.gguf#sha256=" + "ab" * 32)
+    with pytest.raises(LocalModelError, match="repository id"):
+        local_assignment("native")
+
+
+@pytest.fixture
+def toy() -> Iterator[None]:
+    registry.register(toy_engine)
+    try:
+        yield
+    finally:
+        registry.unregister(toy_engine.NAME)
+
+
+def test_the_block_and_its_arguments_are_the_engines_own(toy: None, tmp_path: Path) -> None:
+    """A third engine that reads folders on `cpu`, registered before vLLM's fallback there, gets a
+    folder with its own local defaults; nothing here names it."""
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * (2 * 2**20))
+    block = local_assignment("cpu", str(tmp_path)).model.for_engine("toy")
+    assert block is not None and block.base_args == list(toy_engine.LOCAL_DEFAULTS.base_args) and block.tiers == {}
+    gguf = local_assignment("cpu").model.for_engine("llamacpp")
+    assert gguf is not None and gguf.tiers == {"8000": ["--ctx-size", "8192"], "16000": ["--ctx-size", "16384"]}
