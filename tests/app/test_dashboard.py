@@ -89,8 +89,8 @@ def test_no_engine_jargon_on_screen(dashboard, node, bridge, qtbot):
 def test_an_engine_the_app_does_not_know_is_shown_by_its_name(dashboard, node, bridge, qtbot):
     """A snapshot from a node with another engine (a newer core, an old status file) is no KeyError."""
     serving = snapshots.serving()
-    show(node, qtbot, bridge, replace(serving, engines=tuple(replace(e, engine="sglang") for e in serving.engines)))
-    assert dashboard.text("engine:engine-0.title") == "sglang on 2 GPUs working as one"
+    show(node, qtbot, bridge, replace(serving, engines=tuple(replace(e, engine="tgi") for e in serving.engines)))
+    assert dashboard.text("engine:engine-0.title") == "tgi on 2 GPUs working as one"
 
 
 def test_starting_shows_phase_and_download(dashboard, node, bridge, qtbot):

@@ -6,10 +6,11 @@ engine is adding its package and registering it here.
 
 from __future__ import annotations
 
-from worker.engines import llamacpp, registry, vllm
+from worker.engines import llamacpp, registry, sglang, vllm
 from worker.engines.base import Endpoint, EngineAdapter, LogFact
 
 registry.register(vllm)
+registry.register(sglang)
 registry.register(llamacpp)
 
 get_adapter = registry.get

@@ -239,10 +239,11 @@ def _plan(
     return Plan(engine, assign.model.name, engine_model, engines, assign.assignment_id, warnings)
 
 
-def choose_engine(machine: Machine, model: protocol.ModelSpec) -> tuple[EngineAdapter, protocol.EngineModel] | Refusal:
-    """Of the engines this machine's runtime runs (preferred first), the first the model has a block
-    for; a Refusal naming them where it has none."""
-    candidates = registry.for_runtime(machine.runtime)
+def choose_engine(machine: Machine, model: protocol.ModelSpec, prefer: Sequence[str] = ()
+                  ) -> tuple[EngineAdapter, protocol.EngineModel] | Refusal:
+    """Of the engines this machine's runtime runs (`prefer` first, the assignment's `model.prefer`),
+    the first the model has a block for; a Refusal naming them where it has none."""
+    candidates = preferred(registry.for_runtime(machine.runtime), prefer, machine.runtime)
     for adapter in candidates:
         engine_model = model.for_engine(adapter.NAME)
         if engine_model is not None:
@@ -255,6 +256,17 @@ def choose_engine(machine: Machine, model: protocol.ModelSpec) -> tuple[EngineAd
                        f"({machine.runtime}) runs only {names}")
     return Refusal(f"model {model.name!r} has a build for none of the engines this machine's runtime "
                    f"({machine.runtime}) runs ({names})")
+
+
+def preferred(candidates: Sequence[EngineAdapter], prefer: Sequence[str], runtime: str) -> tuple[EngineAdapter, ...]:
+    """`candidates` (in registration order, a fallback last) with those `prefer` names first, in its
+    order (contract, Assignment: `model.prefer`); names it does not list keep their order after. A
+    fallback stays last whatever the order asked: vLLM's CPU build serves `cpu` only for a model
+    with no other block there. Unknown names are ignored; linear in `prefer`."""
+    rank: dict[str, int] = {}
+    for i, name in enumerate(prefer):
+        rank.setdefault(name, i)
+    return tuple(sorted(candidates, key=lambda a: (runtime in a.FALLBACK_RUNTIMES, rank.get(a.NAME, len(prefer)))))
 
 
 def size_problem(model: protocol.ModelSpec) -> str | None:

@@ -13,6 +13,7 @@ import pytest
 from tests.support.engines import LlamaServer
 from worker.engines import args_markdown, published_args
 from worker.engines.llamacpp import args as llamacpp_args
+from worker.engines.sglang import args as sglang_args
 from worker.engines.vllm import args as vllm_args
 from worker.engines.allowlist import (
     AllowedFlag,
@@ -27,7 +28,7 @@ from worker.engines.allowlist import (
 )
 
 ROOT = Path(__file__).resolve().parents[3]
-TABLES = {"vllm": vllm_args.ALLOWLIST, "llamacpp": llamacpp_args.ALLOWLIST}
+TABLES = {"vllm": vllm_args.ALLOWLIST, "sglang": sglang_args.ALLOWLIST, "llamacpp": llamacpp_args.ALLOWLIST}
 
 SAMPLE = Allowlist(
     "sample",
@@ -358,6 +359,10 @@ APP_OWNED = {
              "--data-parallel-size", "-pp", "--pipeline-parallel-size", "--kv-cache-memory-bytes", "--model",
              "--config", "--download-dir", "--tokenizer", "--chat-template", "--speculative-model",
              "--num-speculative-tokens", "--swap-space", "--calculate-kv-scales"],
+    "sglang": ["--host", "--port", "--api-key", "--admin-api-key", "--served-model-name", "--tp-size",
+               "--tensor-parallel-size", "--dp-size", "--data-parallel-size", "--pp-size", "--mem-fraction-static",
+               "--enable-metrics", "--model-path", "--model", "--config", "--tokenizer-path", "--chat-template",
+               "--speculative-draft-model-path", "--load-format", "--max-total-tokens"],
     "llamacpp": ["--host", "--port", "--api-key", "--api-key-file", "--alias", "-a", "-sm", "--split-mode", "-ts",
                  "--tensor-split", "-mg", "--main-gpu", "-fit", "--fit", "-m", "--model", "-md", "--rpc", "--mmproj",
                  "--log-file", "--chat-template", "--chat-template-file", "--draft-max", "--slot-save-path"],
@@ -372,7 +377,7 @@ def test_the_app_owned_and_removed_flags_are_not_on_the_tables(engine: str) -> N
 
 def test_published_args_per_engine_and_remote_code_only_when_allowed() -> None:
     published = published_args()
-    assert set(published) == {"vllm", "llamacpp"}
+    assert set(published) == {"vllm", "sglang", "llamacpp"}
     assert {"--max-model-len", "--max-num-seqs", "--no-enforce-eager", "-sc"} <= set(published["vllm"])
     assert {"-c", "--ctx-size", "-np", "-fa", "-ctk", "--jinja"} <= set(published["llamacpp"])
     assert "--trust-remote-code" not in published["vllm"] and "--no-trust-remote-code" in published["vllm"]

@@ -54,9 +54,9 @@ def parsed(**blocks: Any) -> protocol.Assign:
 
 
 def test_the_built_in_engines_are_registered_in_preference_order() -> None:
-    assert registry.names() == ("vllm", "llamacpp")
+    assert registry.names() == ("vllm", "sglang", "llamacpp")
     assert get_adapter("vllm") is vllm and get_adapter("llamacpp") is llamacpp
-    assert [a.NAME for a in registry.for_runtime("native")] == ["vllm"]
+    assert [a.NAME for a in registry.for_runtime("native")] == ["vllm", "sglang"]
     assert [a.NAME for a in registry.for_runtime("cpu")] == ["llamacpp", "vllm"]  # vLLM's CPU build: a fallback
     assert (registry.display_name("vllm"), registry.display_name("llamacpp")) == ("vLLM", "llama.cpp")
 
@@ -74,30 +74,30 @@ def test_every_adapter_has_every_constant_the_protocol_names() -> None:
 
 
 def test_an_unknown_engine_is_refused_by_name_and_shown_as_its_name() -> None:
-    with pytest.raises(ValueError, match="unknown engine 'sglang'; known engines: vllm, llamacpp"):
-        get_adapter("sglang")
-    assert registry.display_name("sglang") == "sglang"
-    assert version_problem("sglang", "1.0") == "engine 'sglang' is not one this app runs (vllm, llamacpp)"
+    with pytest.raises(ValueError, match="unknown engine 'tgi'; known engines: vllm, sglang, llamacpp"):
+        get_adapter("tgi")
+    assert registry.display_name("tgi") == "tgi"
+    assert version_problem("tgi", "1.0") == "engine 'tgi' is not one this app runs (vllm, sglang, llamacpp)"
     with pytest.raises(BadSource, match="not one this app runs"):
-        check_source("org/model", None, "sglang")
-    with pytest.raises(InputError, match="NAME one of vllm, llamacpp"):
-        parse_engine_bins(["sglang=/bin/sglang"])
+        check_source("org/model", None, "tgi")
+    with pytest.raises(InputError, match="NAME one of vllm, sglang, llamacpp"):
+        parse_engine_bins(["tgi=/bin/tgi"])
 
 
 def test_a_name_is_registered_once(toy: None) -> None:
     with pytest.raises(ValueError, match="registered already"):
         registry.register(toy_engine)
-    assert registry.names() == ("vllm", "llamacpp", "toy")
+    assert registry.names() == ("vllm", "sglang", "llamacpp", "toy")
 
 
 def test_an_unknown_engine_block_in_assign_is_ignored_and_a_registered_one_read(
         toy: None, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="worker.contract.protocol")
-    message = parsed(toy=TOY_BLOCK, sglang={"anything": ["goes", 1]}, llamacpp=None)
+    message = parsed(toy=TOY_BLOCK, tgi={"anything": ["goes", 1]}, llamacpp=None)
     block = message.model.for_engine("toy")
     assert block is not None and block.base_args == ["--slots", "3"]
-    assert set(message.model.engines) == {"toy"}  # `llamacpp: null` is no block; `sglang` is none of ours
-    assert "'sglang'" in caplog.text and "does not run" in caplog.text
+    assert set(message.model.engines) == {"toy"}  # `llamacpp: null` is no block; `tgi` is none of ours
+    assert "'tgi'" in caplog.text and "does not run" in caplog.text
     assert json.loads(protocol.encode(message))["model"]["toy"]["source"] == "/models/toy"
 
 
@@ -112,11 +112,11 @@ def test_a_registered_block_is_still_checked(toy: None) -> None:
 
 
 def test_hello_cli_and_detection_take_the_engines_from_the_registry(toy: None) -> None:
-    assert set(published_args()) == {"vllm", "llamacpp", "toy"} and published_args()["toy"] == ["--slots"]
+    assert set(published_args()) == {"vllm", "sglang", "llamacpp", "toy"} and published_args()["toy"] == ["--slots"]
     assert parse_engine_bins(["toy=/opt/toy"]) == {"toy": "/opt/toy"}
     found = find_engines("Linux", {"toy": "/opt/toy", "vllm": "/nonexistent/vllm",
                                    "llamacpp": "/nonexistent/llama-server"}, lambda *_: None)
-    assert found["toy"].path == "/opt/toy" and set(found) == {"vllm", "llamacpp", "toy"}
+    assert found["toy"].path == "/opt/toy" and set(found) == {"vllm", "sglang", "llamacpp", "toy"}
     assert registry.display_name("toy") == "Toy engine"
 
 

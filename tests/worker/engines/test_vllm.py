@@ -162,5 +162,5 @@ def test_endpoints_and_auth():
 
 def test_get_adapter():
     assert get_adapter("vllm") is vllm
-    with pytest.raises(ValueError, match="known engines: vllm, llamacpp"):
-        get_adapter("sglang")
+    with pytest.raises(ValueError, match="known engines: vllm, sglang, llamacpp"):
+        get_adapter("tgi")

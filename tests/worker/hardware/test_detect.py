@@ -43,7 +43,7 @@ def test_replayed_machine_matches_the_protocol_shapes(name):
     assert platform.runtime == runtime
     assert [(tuple(g.gpu_indices), g.usable_mib_per_gpu, g.peer_to_peer) for g in hardware.groups] == groups
     assert hardware.effective_vram_mib == effective
-    assert data["engines"] == {"llamacpp": None, "vllm": None}
+    assert data["engines"] == {"llamacpp": None, "sglang": None, "vllm": None}
 
 
 def test_two_4090s_reproduce_the_protocol_example():

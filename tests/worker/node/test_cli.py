@@ -42,7 +42,7 @@ def test_detect_prints_the_hello_shapes_with_data_dir_either_side(tmp_path, wher
     data = json.loads(done.stdout)
     assert protocol.PlatformInfo.model_validate(data["platform"]).runtime == "cpu"
     protocol.HardwareInfo.model_validate(data["hardware"])
-    assert set(data["engines"]) == {"vllm", "llamacpp"}
+    assert set(data["engines"]) == {"vllm", "sglang", "llamacpp"}
     assert elapsed < 5  # the process, interpreter start included; detect itself is timed in test_detect
 
 
@@ -81,7 +81,7 @@ def test_bad_reading_is_an_error(tmp_path, capsys, reading):
 
 
 def test_bad_engine_bin_is_an_error(tmp_path, capsys):
-    status, out = in_process(capsys, "--data-dir", str(tmp_path), "detect", "--engine-bin", "sglang=/x")
+    status, out = in_process(capsys, "--data-dir", str(tmp_path), "detect", "--engine-bin", "tgi=/x")
     assert status == 2 and "NAME=PATH" in json.loads(out)["error"]
 
 

@@ -1,0 +1,5 @@
+"""Test double of `sglang.srt.plugins`: no plugins."""
+
+
+def load_plugins() -> None:
+    pass
