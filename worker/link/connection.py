@@ -1,7 +1,8 @@
 """The node's one connection to the coordinator: a websocket the app opens outward.
 
-`Link.run()` connects, sends `hello` first, hands every parsed coordinator message to the node,
-answers malformed ones with `error`, and reconnects with full-jitter exponential backoff until
+`Link.run()` connects, sends `hello` first, hands `request` and `cancel` frames to the relay (with
+the connection's outlet) and every other parsed coordinator message to the node, answers
+malformed ones with `error`, and reconnects with full-jitter exponential backoff until
 `close()`; `reopen()` lets a later `run()` connect again (an update that was rolled back). Close
 codes the person must act on (signed out, banned, update needed) stop the retries and are shown
 as a `ConnectionSnapshot` with an `events.Problem`.
@@ -44,6 +45,7 @@ from worker.contract import events
 from worker.contract import protocol
 from worker.engines import registry
 from worker.link.outgoing import Outgoing
+from worker.relay.forward import RequestHandler
 
 log = logging.getLogger(__name__)
 SIGNED_OUT = events.Problem("Signed out", "Sign in to lend your GPU to the network.", "sign_in")  # no token, or signed out
@@ -146,7 +148,9 @@ class Link:
         on_state: Callable[[events.ConnectionSnapshot], None] | None = None,
         on_disconnect: Callable[[], None] | None = None,
         on_bad_message: Callable[[protocol.BadMessage], Awaitable[None]] | None = None,
+        requests: RequestHandler | None = None,
     ) -> None:
+        """`requests`: where `request` and `cancel` frames go; without it, to `on_message` too."""
         self.url = url
         self._token_provider = token_provider
         self._make_hello = make_hello
@@ -161,6 +165,7 @@ class Link:
         self._on_state = on_state
         self._on_disconnect = on_disconnect
         self._on_bad_message = on_bad_message
+        self._requests = requests
         self._ws: ClientConnection | None = None
         self._out: Outgoing | None = None  # the open connection's send queue
         self._generation = 0
@@ -326,7 +331,12 @@ class Link:
             if self._out is not None:
                 self._out.batching = protocol.BATCH_FEATURE in message.features
         try:
-            await self._on_message(message)
+            if isinstance(message, protocol.Request) and self._requests is not None:
+                self._requests.handle(message, self.sender())  # answered on the connection it came on
+            elif isinstance(message, protocol.Cancel) and self._requests is not None:
+                self._requests.cancel(message.id)
+            else:
+                await self._on_message(message)
         except Exception as exc:
             log.exception("handling the coordinator's %r message failed", message.type)
             ref = getattr(message, "id", None) or getattr(message, "assignment_id", None)

@@ -17,9 +17,9 @@ from worker import __version__
 from worker.contract import protocol
 from worker.system.config import Paths
 from worker.contract.events import ConnectionSnapshot, Problem
+from worker.relay.forward import RequestHandler
 from worker.hardware import Machine
 from worker.link.connection import SIGNED_OUT, Backoff, Link, MessageHandler
-from worker.link.outgoing import Outgoing
 from worker.update import mark_hello_reached, mark_started
 
 if TYPE_CHECKING:
@@ -47,8 +47,10 @@ class Uplink:
         on_disconnect: Callable[[], None],
         on_bad_message: Callable[[protocol.BadMessage], Awaitable[None]],
         on_change: Callable[[], None],
+        requests: RequestHandler | None = None,
     ) -> None:
-        """`on_change` is called after each change of `connection`."""
+        """`on_change` is called after each change of `connection`; `requests` (the relay) is
+        handed each `request` and `cancel` frame by the link."""
         self.url = url
         self.connection = ConnectionSnapshot(url, "disabled")
         self._paths = paths
@@ -61,6 +63,7 @@ class Uplink:
         self._on_disconnect = on_disconnect
         self._on_bad_message = on_bad_message
         self._on_change = on_change
+        self._requests = requests
         self._link: Link | None = None
         self._local: LocalCoordinator | None = None
         self._signed_out = False  # the person signed out: the link stays closed until they sign in
@@ -84,6 +87,7 @@ class Uplink:
                 on_state=lambda snapshot: self._on_state(link, snapshot),
                 on_disconnect=self._on_disconnect,
                 on_bad_message=self._on_bad_message,
+                requests=self._requests,
             )
             self._link = link
             mark_started(self._paths, __version__)  # an update waiting for this version: offline, not broken
@@ -117,11 +121,6 @@ class Uplink:
 
     async def send(self, message: BaseModel) -> bool:
         return bool(self._link and await self._link.send(message))
-
-    def sender(self) -> Outgoing:
-        """A send bound to the connection now open (a request's answer never leaks onto a later one)."""
-        assert self._link is not None, "no requests come without a link"
-        return self._link.sender()
 
     def resume_after_sign_in(self) -> bool:
         """A new token is in place: connect now. True when the link must be `run` again (after

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from worker.contract import protocol
+from worker.node import policy
 from worker.node.autopause import AutoPauser
 from worker.system.config import Paths, Settings, State, load_state, save_state
 from worker.system.datalock import DataFolderInUse, DataFolderLock
@@ -39,7 +40,8 @@ from worker.link.connection import Backoff
 from worker.node.tasks import LoopTasks
 from worker.measure.metering import Metering
 from worker.link.outgoing import Outgoing
-from worker.node.view import Pause, build_hello, build_snapshot, build_status, chart_points, node_state
+from worker.node.sampler import Sampler
+from worker.node.view import Pause, build_hello, build_snapshot, build_status
 from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
 from worker.serve.process import reap_leftovers
 from worker.provision.assignment import OFFLINE_BACKOFF, OfflineRetry, provision
@@ -54,7 +56,6 @@ from worker.update import NodeHooks, Updater, UpdateStatus
 log = logging.getLogger(__name__)
 
 DRAIN_S = 30.0
-TICK_S = 1.0
 
 
 class Node:
@@ -99,27 +100,28 @@ class Node:
         self._books = Books(self.paths.ledger_file, lambda: self.settings.currency,
                             lambda: self.settings.electricity_price_per_kwh)
         self._metering = Metering(self._engines.get, self._books, self._terms, monotonic, clock)
+        self._sampler = Sampler(self._gpus, self._books, self._metering, running=lambda: len(self._engines) > 0,
+                                targets=self._engines.ready_targets, in_flight=self._in_flight,
+                                settings=lambda: self.settings, clock=clock)
+        self._last_heartbeat = monotonic()
         self._status_file = StatusFile(self.paths, lambda: self._owner.held, monotonic)
         self._news = Publisher(self._build_snapshot, self._status, self._send, self._status_file)
+        self._engine_http = engine_http_client()
+        # No default outlet: the link hands each request the connection it came on. The relay
+        # tells `Metering` of generations, and asks `_gate` whether it may take a request now.
+        self._relay = Relay(Outgoing.nowhere(), self._engines.ready_targets, self._gate, http=self._engine_http,
+                            hooks=self._metering)
         self._uplink = Uplink(coordinator_url, self.paths, token_provider=token_provider, backoff=backoff,
                               local_model=model, openai_port=openai_port, hello=self._hello,
                               on_message=self._on_message, on_disconnect=self._on_disconnect,
-                              on_bad_message=self._on_bad_message, on_change=self._news.publish)
-        self._engine_http = engine_http_client()
-        # No default outlet: each request is handed the connection it came on (`_on_message`).
-        self._relay = Relay(Outgoing.nowhere(), self._engines.ready_targets, self._gate, http=self._engine_http,
-                            hooks=self._metering)
+                              on_bad_message=self._on_bad_message, on_change=self._news.publish,
+                              requests=self._relay)
         self._updater: Updater | None = None
         self._offline_retry = OfflineRetry(self._tasks.spawn, offline_backoff, clock=clock)
 
         self._welcome: protocol.Welcome | None = None
-        self._assignment: protocol.Assign | None = None
-        self._plan: Plan | None = None
-        self._problem: Problem | None = None
-        self._refused: protocol.Refused | None = None  # the latest assignment this node would not run
-        self._pause: Pause | None = None
-        self._draining = False
-        self._quitting = False  # from `shutdown` to the end: the snapshot says "stopping"
+        self._held = policy.State()  # the assignment, plan, problem, refusal and pause: `policy` decides
+        self._draining = False  # while the relay drains for an engine stop
         self._engines_lock: asyncio.Lock | None = None
 
     # --- commands (any thread) ----------------------------------------------------------------
@@ -137,7 +139,7 @@ class Node:
         self._tasks.call(lambda: self._tasks.spawn(self._do_pause(why, until, detail)))
 
     def resume(self) -> None:
-        self._tasks.call(lambda: self._tasks.spawn(self._do_resume()))
+        self._tasks.call(lambda: self._tasks.spawn(self._locked(policy.Resumed("user"))))
 
     def apply_settings(self, settings: Settings) -> None:
         self._tasks.call(lambda: self._set_settings(settings))
@@ -185,7 +187,7 @@ class Node:
         self._engines_lock = asyncio.Lock()
         self.state = load_state(self.paths)
         if self.state.paused:
-            self._pause = Pause("user", self.state.pause_until)
+            self._held = dataclasses.replace(self._held, pause=Pause("user", self.state.pause_until))
         reaped = await asyncio.to_thread(reap_leftovers, self.paths.run_dir)
         if reaped:
             log.warning("stopped %d engine process(es) a previous run left behind: %s", len(reaped), reaped)
@@ -195,7 +197,7 @@ class Node:
             self._gpus.nvml = PynvmlSource(library=find_wsl_nvml_library() if self.machine.runtime == "wsl2" else None)
         await asyncio.to_thread(self._books.open)
         try:
-            self._problem = await self._uplink.open(self.machine)  # a local model that cannot be served
+            await self._step(policy.ProblemFound(await self._uplink.open(self.machine)))  # a local model that cannot be served
             self._run_link()
             self._updater = Updater(
                 self.paths,
@@ -205,7 +207,8 @@ class Node:
                 on_status=self._on_update_status,
             )
             self._tasks.spawn(self._updater.run_feed_checks())
-            self._tasks.spawn(self._ticker())
+            self._last_heartbeat = self._monotonic()
+            self._tasks.spawn(self._sampler.run(self._each_second))
             self._tasks.spawn(self._autopause().run())
             self._news.publish()
             gc.freeze()  # what start-up made lives as long as the node: full collections skip it
@@ -215,8 +218,7 @@ class Node:
 
     async def _close(self) -> None:
         log.info("stopping: draining requests and stopping engines")
-        self._quitting = True
-        self._news.publish()  # "Stopping…" at once; the ticker publishes `in_flight` as it drains
+        await self._step(policy.Quit())  # "Stopping…" at once; each second publishes `in_flight` as it drains
         self._owner.mark_stopping()  # a second start meanwhile is told to wait, not that we run on
         try:
             await self._wind_down()
@@ -263,14 +265,14 @@ class Node:
         log.info("switching to the network at %s", url)
         problem = await self._uplink.switch(url, self.machine)
         self._welcome = None
-        await self._unassign()
-        self._problem = problem
+        await self._locked(policy.Unassigned(None))
+        await self._step(policy.ProblemFound(problem))
         self._run_link()
         self._news.publish()
 
     def _hello(self) -> protocol.Hello:
         assert self.machine is not None
-        return build_hello(self.state.node_id, self.machine, paused=self._pause is not None,
+        return build_hello(self.state.node_id, self.machine, paused=self._held.pause is not None,
                            allow_remote_code=self.settings.allow_remote_code)
 
     def _on_disconnect(self) -> None:
@@ -281,124 +283,119 @@ class Node:
         return await self._uplink.send(message)
 
     async def _on_message(self, message: Any) -> None:
-        if isinstance(message, protocol.Request):
-            self._relay.handle(message, self._uplink.sender())  # the relay tells `Metering` of generations
-        elif isinstance(message, protocol.Cancel):
-            self._relay.cancel(message.id)
-        elif isinstance(message, protocol.Welcome):
+        """What the coordinator asks of the node; `request` and `cancel` go to the relay directly."""
+        if isinstance(message, protocol.Welcome):
             self._welcome = message
             await self._news.send_status(force=True)
         elif isinstance(message, protocol.Assign):
-            self._tasks.spawn(self._assign(message))
+            self._tasks.spawn(self._locked(policy.Assigned(message)))
         elif isinstance(message, protocol.Unassign):
-            if self._assignment and self._assignment.assignment_id == message.assignment_id:
-                self._tasks.spawn(self._unassign())
+            self._tasks.spawn(self._locked(policy.Unassigned(message.assignment_id)))
         elif isinstance(message, protocol.Pause):
-            if self._pause is None or self._pause.reason == "coordinator":  # the person's own pause stays theirs
-                self._tasks.spawn(self._do_pause("coordinator", None))
+            self._tasks.spawn(self._do_pause("coordinator", None))
         elif isinstance(message, protocol.Resume):
-            if self._pause is not None and self._pause.reason == "coordinator":  # lifts only its own pause
-                self._tasks.spawn(self._do_resume())
+            self._tasks.spawn(self._locked(policy.Resumed("coordinator")))
         elif isinstance(message, protocol.Update):
             self._tasks.spawn(self._offer_update(message))
         elif isinstance(message, protocol.Error):
             log.warning("coordinator reported an error: %s %s (ref %s)", message.code, message.message, message.ref)
 
-    # --- assignment and engines ------------------------------------------------------------
+    # --- the policy's executor ------------------------------------------------------------
 
-    async def _assign(self, assign: protocol.Assign) -> None:
-        """Plan (which validates every argument and the source) before anything stops; provision
-        the new model while the old engines keep serving; only then drain them and start anew.
-        `plan` runs in a thread: the loop keeps relaying while a large assignment is checked."""
-        assert self._engines_lock is not None and self.machine is not None
+    async def _locked(self, event: policy.Event) -> None:
+        """`event` decided and carried out under the engines lock: never from the link's reader
+        (an assign may hold the lock for minutes)."""
+        assert self._engines_lock is not None
         async with self._engines_lock:
-            if assign == self._assignment and self._engines and self._node_state() != "failed":
-                await self._news.send_status(force=True)  # re-sent after a reconnect: keep serving, no reload
-                return
-            result = await asyncio.to_thread(plan, self.machine, assign, self.settings, first_port=self._first_port)
-            if isinstance(result, Refusal):
-                if not self._engines.serving():
-                    self._assignment = assign
-                await self._refuse(assign.assignment_id, result.reason)
-                return
-            log.info(
-                "assignment %s: %s on %s (%s)",
-                assign.assignment_id,
-                assign.model.name,
-                result.engine,
-                ", ".join(f"{e.engine_id} {e.layout} gpus={list(e.gpu_indices)} tier={e.tier}" for e in result.engines),
-            )
-            for warning in result.warnings:
-                log.warning("assignment %s: %s", assign.assignment_id, warning)
-            engine_plans: list[EnginePlan] | None = None
-            if not self._pause:
-                try:
-                    engine_plans = await self._provision_tracked(result)
-                except ProvisionError as exc:
-                    if self._engines.serving():
-                        await self._refuse(assign.assignment_id, exc.problem.message)
-                        return
-                    await self._drain_and_stop()
-                    await self._adopt(assign, result, self._provision_failed(exc))
-                    return
-            await self._drain_and_stop()
-            await self._adopt(assign, result, None)
-            if engine_plans is not None:
-                await self._launch(engine_plans)
+            await self._step(event)
 
-    async def _adopt(self, assign: protocol.Assign, accepted: Plan | None, problem: Problem | None) -> None:
-        """`assign` is now the node's assignment (its engines not started yet)."""
-        self._assignment = assign
-        self._plan = accepted
-        self._problem = problem
-        self._refused = None
-        self.state.last_assignment = assign.model_dump()
-        await asyncio.to_thread(save_state, self.paths, self.state)
-        await self._news.send_status(force=True)
+    async def _step(self, event: policy.Event) -> None:
+        """Decide on `event` and carry the decision out; a fact an action finds is the next event."""
+        start = self._observed()
+        decision = policy.decide(start, event)
+        for action in decision.before:
+            await self._act(action)
+        self._held = policy.commit(self._held, start, decision.state)
+        for action in decision.after:
+            follow = await self._act(action)
+            if follow is not None:
+                await self._step(follow)
 
-    async def _refuse(self, assignment_id: str, reason: str) -> None:
-        """A new assignment this node will not run: the one serving keeps serving, and `status`
-        says what was refused and why; a node with nothing else to serve reports `failed`."""
-        log.warning("assignment %s refused: %s", assignment_id, reason)
-        self._refused = protocol.Refused(assignment_id=assignment_id, reason=reason)
-        if not self._engines.serving():
-            await self._drain_and_stop()
-            self._plan = None
-            self._problem = Problem("Assignment refused", reason, "none")
-            if self._assignment is not None and self._assignment.assignment_id != assignment_id:
-                self._assignment = None  # the old one no longer runs; the refused one is in `refused`
-        await self._news.send_status(force=True)
+    def _observed(self) -> policy.State:
+        return dataclasses.replace(self._held, engines=tuple(self._engines.states()))
+
+    async def _act(self, action: policy.Action) -> policy.Event | None:
+        """One action carried out; the fact it found where the policy must weigh it."""
+        if isinstance(action, policy.PlanAssignment):
+            return await self._plan_assignment(action.assign)
+        if isinstance(action, policy.StartProvision):
+            return await self._provision_assignment(action.assign, action.plan)
+        if isinstance(action, policy.DescribeFailure):
+            return policy.ProblemFound(self._provision_failed(action.error))
+        if isinstance(action, policy.StartEngines):
+            return await self._start_engines()
+        if isinstance(action, policy.StopEngines):
+            await self._stop_for(action)
+        elif isinstance(action, policy.LaunchEngines):
+            await self._launch(list(action.engine_plans))
+        elif isinstance(action, policy.RestartFailed):
+            await self._engines.restart_failed()
+        elif isinstance(action, policy.ResetOfflineRetry):
+            self._offline_retry.reset()
+        elif isinstance(action, policy.SaveAssignment):
+            self.state.last_assignment = action.assign.model_dump()
+            await asyncio.to_thread(save_state, self.paths, self.state)
+        elif isinstance(action, policy.SavePause):
+            self.state.paused, self.state.pause_until = action.paused, action.until
+            await asyncio.to_thread(save_state, self.paths, self.state)
+        elif isinstance(action, policy.ReportRefusal):
+            log.warning("assignment %s refused: %s", action.assignment_id, action.reason)
+        elif isinstance(action, policy.SendStatus):
+            await self._news.send_status(force=True)
+        else:
+            self._news.publish()
+        return None
+
+    async def _plan_assignment(self, assign: protocol.Assign) -> policy.Event:
+        """Plan (which validates every argument and the source) before anything stops. `plan`
+        runs in a thread: the loop keeps relaying while a large assignment is checked."""
+        assert self.machine is not None
+        result = await asyncio.to_thread(plan, self.machine, assign, self.settings, first_port=self._first_port)
+        if isinstance(result, Refusal):
+            return policy.Refuse(assign.assignment_id, result.reason, assign)
+        log.info(
+            "assignment %s: %s on %s (%s)",
+            assign.assignment_id,
+            assign.model.name,
+            result.engine,
+            ", ".join(f"{e.engine_id} {e.layout} gpus={list(e.gpu_indices)} tier={e.tier}" for e in result.engines),
+        )
+        for warning in result.warnings:
+            log.warning("assignment %s: %s", assign.assignment_id, warning)
+        return policy.Planned(assign, result)
+
+    async def _provision_assignment(self, assign: protocol.Assign, accepted: Plan) -> policy.Event:
+        """The new model fetched while the old engines keep serving."""
+        try:
+            engine_plans = await self._provision_tracked(accepted)
+        except ProvisionError as exc:
+            return policy.ProvisionFailed(assign, accepted, exc)
+        return policy.Provisioned(assign, accepted, tuple(engine_plans))
 
     async def _on_bad_message(self, error: protocol.BadMessage) -> None:
         """An `assign` that does not even fit the schema (a tier key of "²") is refused like any other."""
         if error.message_type == "assign":
-            self._tasks.spawn(self._refuse_locked(error.ref or "(no assignment_id)", str(error)))
+            self._tasks.spawn(self._locked(policy.Refuse(error.ref or "(no assignment_id)", str(error))))
 
-    async def _refuse_locked(self, assignment_id: str, reason: str) -> None:
-        assert self._engines_lock is not None
-        async with self._engines_lock:  # never from the link's reader: an assign may hold the lock for minutes
-            await self._refuse(assignment_id, reason)
-
-    async def _unassign(self) -> None:
-        assert self._engines_lock is not None
-        async with self._engines_lock:
-            await self._drain_and_stop()
-            self._assignment = None
-            self._plan = None
-            self._problem = None
-            self._refused = None
-            await self._news.send_status(force=True)
-
-    async def _start_engines(self) -> None:
-        """Provision and start the current plan (after a resume, or a retry)."""
-        assert self._plan is not None
-        self._problem = None  # a retry (after a resume) must not keep showing the last failure
+    async def _start_engines(self) -> policy.Event | None:
+        """Provision and start the held plan (after a resume, or a retry); a failure is the next event."""
+        assert self._held.plan is not None
         try:
-            engine_plans = await self._provision_tracked(self._plan)
+            engine_plans = await self._provision_tracked(self._held.plan)
         except ProvisionError as exc:
-            self._problem = self._provision_failed(exc)
-            return
+            return policy.ProblemFound(self._provision_failed(exc))
         await self._launch(engine_plans)
+        return None
 
     def _provision_failed(self, exc: ProvisionError) -> Problem:
         """The problem to show; one the network caused is tried again by itself, later each time."""
@@ -409,19 +406,9 @@ class Node:
     async def _try_again(self, by_hand: bool = True) -> None:
         """What failed, again now: the engines that gave up (fresh, their counts reset), or the
         plan's provisioning; `by_hand` (the person's Retry) also the link, the backoff started over."""
-        assert self._engines_lock is not None
         if by_hand:
             self._uplink.reconnect_now()
-        async with self._engines_lock:
-            if by_hand:
-                self._offline_retry.reset()
-            if self._plan is None or self._pause is not None:
-                return
-            if self._engines:
-                await self._engines.restart_failed()
-            else:
-                await self._start_engines()
-            await self._news.send_status(force=True)
+        await self._locked(policy.Retry(by_hand))
 
     async def _provision_tracked(self, current: Plan) -> list[EnginePlan]:
         """`provision`, published first and its failure logged; raises `ProvisionError`."""
@@ -447,12 +434,20 @@ class Node:
             return None
         return await self._gpus.memory_share(self.machine, engine_plan, self.settings)
 
-    async def _drain_and_stop(self) -> None:
+    async def _stop_for(self, action: policy.StopEngines) -> None:
+        if not action.lock:
+            await self._drain_and_stop(action.reason)
+            return
+        assert self._engines_lock is not None
+        async with self._engines_lock:
+            await self._drain_and_stop(action.reason)
+
+    async def _drain_and_stop(self, reason: Literal["paused", "draining"]) -> None:
         if not self._engines:
             return
         self._draining = True
         try:
-            await self._relay.drain(DRAIN_S, "paused" if self._pause else "draining")
+            await self._relay.drain(DRAIN_S, reason)
             await self._stop_engines()
         finally:
             self._draining = False
@@ -475,28 +470,8 @@ class Node:
     # --- pause ----------------------------------------------------------------------------
 
     async def _do_pause(self, reason: str, until: float | None, detail: str | None = None) -> None:
-        assert self._engines_lock is not None
-        self._pause = Pause(reason, until, detail)
-        self.state.paused, self.state.pause_until = reason in ("user", "timed"), until
-        await asyncio.to_thread(save_state, self.paths, self.state)
-        log.info("paused (%s)%s", reason, f" until {time.ctime(until)}" if until else "")
-        await self._news.send_status(force=True)
-        async with self._engines_lock:
-            await self._drain_and_stop()
-        await self._news.send_status(force=True)
-
-    async def _do_resume(self) -> None:
-        assert self._engines_lock is not None
-        async with self._engines_lock:  # after a pause still stopping the engines, or "ready" would be a lie
-            if self._pause is None:
-                return
-            self._pause = None
-            self.state.paused, self.state.pause_until = False, None
-            await asyncio.to_thread(save_state, self.paths, self.state)
-            log.info("resumed")
-            await self._news.send_status(force=True)
-            if self._plan and not self._engines:
-                await self._start_engines()
+        log.info("pause (%s)%s", reason, f" until {time.ctime(until)}" if until else "")
+        await self._step(policy.Paused(reason, until, detail))  # announced at once; the engines stop under the lock
 
     def _set_settings(self, settings: Settings) -> None:
         switched = settings.coordinator_url != self.settings.coordinator_url
@@ -514,59 +489,36 @@ class Node:
 
     # --- the relay's gate, and the terms of what it meters ----------------------------------
 
-    def _gate(self) -> Literal["paused", "draining", "not_ready"] | None:
-        if self._pause is not None:
-            return "paused"
-        if self._draining:
-            return "draining"
-        if not self._engines.ready_targets():
-            return "not_ready"
-        return None
+    def _gate(self) -> policy.Gate | None:
+        return policy.gate(self._held, draining=self._draining, ready=bool(self._engines.ready_targets()))
 
     def _terms(self) -> tuple[str, protocol.Price] | None:
         """What a finished generation earns under: the planned model at the coordinator's price."""
-        if self._plan is None:
+        if self._held.plan is None:
             return None
-        return self._plan.model_name, self._welcome.price if self._welcome else protocol.Price()
+        return self._held.plan.model_name, self._welcome.price if self._welcome else protocol.Price()
 
     # --- status and snapshots ----------------------------------------------------------------
 
     def _node_state(self) -> NodeState:
-        """A problem the node retries by itself (the network is down) is no failure yet."""
-        gave_up = self._problem is not None and self._problem.retry_at is None
-        return node_state(paused=self._pause is not None, assigned=self._assignment is not None,
-                          planned=self._plan is not None, problem=gave_up,
-                          engines=self._engines.states())
+        return self._observed().node_state()
 
     def _status(self) -> protocol.Status:
-        return build_status(state=self._node_state(), assignment=self._assignment, problem=self._problem,
-                            refused=self._refused, engines=self._engines.snapshots(),
+        held = self._held
+        return build_status(state=self._node_state(), assignment=held.assignment, problem=held.problem,
+                            refused=held.refused, engines=self._engines.snapshots(),
                             figures=self._metering.figures(), gpus=self._gpus.samples.values(),
                             in_flight=self._in_flight())
 
-    async def _ticker(self) -> None:
-        last_heartbeat = self._monotonic()
-        while True:
-            await asyncio.sleep(TICK_S)
-            await self._sample()
-            if self._pause and self._pause.until and self._clock() >= self._pause.until:
-                self._tasks.spawn(self._do_resume())
-            heartbeat = self._welcome.heartbeat_s if self._welcome else 10.0
-            beat = self._monotonic() - last_heartbeat >= heartbeat
-            if beat:
-                last_heartbeat = self._monotonic()
-            await self._news.tick(heartbeat=beat)
-
-    async def _sample(self) -> None:
-        """GPU telemetry, energy, engine /metrics and chart history, once a second, off the loop."""
-        now = self._clock()
-        joules = await self._gpus.sample(now)
-        if joules and len(self._engines):  # serving's electricity: none while paused (a game's is the player's)
-            self._books.add_energy(joules, now, self.settings.electricity_price_per_kwh, self.settings.currency)
-        await self._metering.scrape(self._engines.ready_targets(), busy=self._in_flight() > 0)
-        rows = chart_points(self._metering.figures(), self._metering.mean_kv_usage(), self._gpus.samples.values())
-        if self._books.add_samples(rows, now):
-            await asyncio.to_thread(self._books.flush, now)
+    async def _each_second(self) -> None:
+        """After the sample: a timed pause's end, then the news (a heartbeat when one is due)."""
+        if policy.resume_due(self._held, self._clock()):
+            self._tasks.spawn(self._locked(policy.Resumed("timer")))
+        heartbeat = self._welcome.heartbeat_s if self._welcome else 10.0
+        beat = self._monotonic() - self._last_heartbeat >= heartbeat
+        if beat:
+            self._last_heartbeat = self._monotonic()
+        await self._news.tick(heartbeat=beat)
 
     def _build_snapshot(self) -> NodeSnapshot:
         started = hasattr(self, "state")  # loaded when the node starts running
@@ -577,19 +529,19 @@ class Node:
             machine=self.machine,
             lent=self.settings.gpus_to_lend,
             gpu_samples=self._gpus.samples,
-            pause=self._pause,
-            assignment=self._assignment,
-            problem=self._problem or self._engines.problem() or self._uplink.connection.problem,
+            pause=self._held.pause,
+            assignment=self._held.assignment,
+            problem=self._held.problem or self._engines.problem() or self._uplink.connection.problem,
             engines=self._engines.snapshots(),
             metrics=self._metering.latest,
-            throughput=self._metering.throughput(self.machine, self._plan),
+            throughput=self._metering.throughput(self.machine, self._held.plan),
             connection=self._uplink.connection,
             downloads=self._news.downloads.values(),
             in_flight=self._in_flight(),
             notices=self._news.notices,
             earnings=self._books.earnings,
             last_capacity=self._metering.last_capacity,
-            stopping=self._quitting,
+            stopping=self._held.stopping,
             update_ready=self._updater.ready_version if self._updater else None,
         )
 
@@ -624,7 +576,7 @@ class Node:
         `_resume_serving` (or the exit): no assign or resume starts an engine during the handover."""
         assert self._engines_lock is not None
         await self._engines_lock.acquire()
-        await self._drain_and_stop()
+        await self._drain_and_stop("paused" if self._held.pause else "draining")
         await self._uplink.close()
         self._owner.release()
 
@@ -642,8 +594,7 @@ class Node:
                 return
             if await self._uplink.reopen(local_stopped=handed_over):
                 self._run_link()
-            if self._plan and not self._pause and not self._engines:
-                await self._start_engines()
+            await self._step(policy.HandedBack())
         finally:
             self._engines_lock.release()
 

@@ -73,6 +73,16 @@ class Outlet(Protocol):
         """Calls `callback` once it is no longer congested."""
 
 
+class RequestHandler(Protocol):
+    """The relay as the link sees it: `request` and `cancel` frames go to it directly, each
+    request with the outlet of the connection it came on. Whether it is accepted is the relay's
+    gate's say (the node's pause, drain and readiness), not the link's."""
+
+    def handle(self, request: protocol.Request, outlet: Outlet | None = None) -> asyncio.Task[None]: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+
 @dataclass(frozen=True)
 class EngineTarget:
     """Where one ready engine listens, and how to talk to it."""

@@ -472,3 +472,38 @@ async def test_a_sender_cancelled_while_its_batch_waits_does_not_lose_its_batch_
     assert await lone and await second
     await coordinator.wait_for(lambda m: m == _chunks(3)[2], after=after)
     assert coordinator.received[after:] == _chunks(3)
+
+
+class Requests:
+    """What the relay is handed by the link: each request with its outlet, each cancel."""
+
+    def __init__(self) -> None:
+        self.handled: list[tuple[protocol.Request, Any]] = []
+        self.cancelled: list[str] = []
+
+    def handle(self, request: protocol.Request, outlet: Any = None) -> asyncio.Task[None]:
+        self.handled.append((request, outlet))
+        return asyncio.create_task(outlet.send(protocol.ResponseError(id=request.id, status=503, code="paused",
+                                                                      message="paused")))
+
+    def cancel(self, request_id: str) -> bool:
+        self.cancelled.append(request_id)
+        return True
+
+
+async def test_requests_and_cancels_go_to_the_relay_with_the_connections_outlet_not_the_node(
+        coordinator, running) -> None:
+    requests = Requests()
+    link, node = running(coordinator.url, requests=requests)
+    await coordinator.wait_for_connections(1)
+    await node.wait_state("connected")
+    exchange = await coordinator.request({"model": "m", "messages": []})
+    await coordinator.cancel(exchange.id)
+    answer = await coordinator.wait_for(lambda m: isinstance(m, protocol.ResponseError))
+    assert answer.id == exchange.id  # answered through the outlet the link handed over
+    async with asyncio.timeout(5):
+        while not requests.cancelled:
+            await asyncio.sleep(0.005)
+    assert [r.id for r, _ in requests.handled] == [exchange.id] and requests.cancelled == [exchange.id]
+    assert requests.handled[0][1] is link.sender()
+    assert [m.type for m in node.messages] == ["welcome"]  # neither climbed through the node

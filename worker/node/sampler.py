@@ -1,0 +1,57 @@
+"""The node's once-a-second sampling: GPU telemetry, the electricity serving drew, the engines'
+/metrics and the chart history. Off the loop where it waits (NVML, SQLite): the event loop keeps
+relaying while a card is slow to answer or the ledger is written.
+
+Serving's electricity is only what the cards drew while engines ran: none while paused (a game's
+is the player's). Points are kept in memory each second and written every few (`Books.flush`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from worker.measure.gpu_watch import GpuWatch
+from worker.measure.ledger import Books
+from worker.measure.metering import Metering
+from worker.node.view import chart_points
+from worker.relay.forward import EngineTarget
+from worker.system.config import Settings
+
+TICK_S = 1.0
+
+
+class Sampler:
+    """What is sampled each second, and where it goes."""
+
+    def __init__(self, gpus: GpuWatch, books: Books, metering: Metering, *, running: Callable[[], bool],
+                 targets: Callable[[], Sequence[EngineTarget]], in_flight: Callable[[], int],
+                 settings: Callable[[], Settings], clock: Callable[[], float] = time.time) -> None:
+        """`running`: engines run (serving draws the cards' power); `targets`: the ready ones."""
+        self._gpus = gpus
+        self._books = books
+        self._metering = metering
+        self._running = running
+        self._targets = targets
+        self._in_flight = in_flight
+        self._settings = settings
+        self._clock = clock
+
+    async def run(self, each_second: Callable[[], Awaitable[None]], tick_s: float = TICK_S) -> None:
+        """Sample, then the node's own second (`each_second`: a timed pause's end, heartbeats), forever."""
+        while True:
+            await asyncio.sleep(tick_s)
+            await self.sample()
+            await each_second()
+
+    async def sample(self) -> None:
+        """One second's telemetry, energy, engine /metrics and chart points."""
+        now = self._clock()
+        joules = await self._gpus.sample(now)
+        if joules and self._running():
+            settings = self._settings()
+            self._books.add_energy(joules, now, settings.electricity_price_per_kwh, settings.currency)
+        await self._metering.scrape(self._targets(), busy=self._in_flight() > 0)
+        rows = chart_points(self._metering.figures(), self._metering.mean_kv_usage(), self._gpus.samples.values())
+        if self._books.add_samples(rows, now):
+            await asyncio.to_thread(self._books.flush, now)
