@@ -1,7 +1,8 @@
 """SGLang (`python -m sglang.launch_server`, through the app's `launcher.py`): the adapter. Its
 command line, environment and endpoints are here; its log (`log.py`), arguments (`args.py`),
 planning rules and memory share (`planning.py`), /metrics names (`metrics.py`), shipped release
-(`releases.py`), finding (`find.py`), failure hints (`hints.py`) and launcher (`launcher.py`) beside it.
+(`releases.py`), finding (`find.py`), installer (`install.py`), failure hints (`hints.py`) and launcher (`launcher.py`)
+beside it.
 
 Pure. Strings and flags are SGLang 0.5.23's (read from its wheel; each module names the file).
 """
@@ -16,6 +17,7 @@ from worker.engines.base import Endpoint, Launch, LocalDefaults, ModelFormat, Sl
 from worker.engines.sglang import args as sglang_args
 from worker.engines.sglang.find import find_sglang
 from worker.engines.sglang.hints import FAILURE_HINTS
+from worker.engines.sglang.install import install
 from worker.engines.sglang.launcher import KEY_VARIABLE
 from worker.engines.sglang.log import parse_line
 from worker.engines.sglang.metrics import NAMES as METRIC_NAMES
@@ -106,6 +108,6 @@ __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
     "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "LAUNCHER", "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME",
     "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics",
-    "environment", "find_installed", "parse_line", "ready_snapshot", "runtime_environment", "serves_group",
+    "environment", "find_installed", "install", "parse_line", "ready_snapshot", "runtime_environment", "serves_group",
     "tier_warning", "units",
 ]
