@@ -65,9 +65,10 @@ class Recorder:
 
 def supervisor(plan: EnginePlan, tmp_path: Path, recorder: Recorder | None = None,
                base_env: dict[str, str] | None = None) -> EngineSupervisor:
-    """SGLang listens on TCP only: the supervisor keeps it on 127.0.0.1."""
+    """The platform's default (a Unix socket on Linux and macOS): SGLang, which listens on TCP only,
+    is kept on 127.0.0.1 by its adapter's `UNIX_SOCKET`, not by the test."""
     return EngineSupervisor(plan, paths=Paths.under(tmp_path).ensure(), on_event=recorder, timing=FAST,
-                            backoff=TINY_BACKOFF, base_env=base_env or dict(os.environ), unix_socket=False)
+                            backoff=TINY_BACKOFF, base_env=base_env or dict(os.environ))
 
 
 async def test_plan_supervise_ready_relay_metrics_stop(tmp_path: Path) -> None:

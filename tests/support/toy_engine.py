@@ -51,6 +51,7 @@ ARGS_TITLE = "Toy engine (tests only)"
 RUNTIMES: frozenset[str] = frozenset({"cpu"})  # llama.cpp serves `cpu` too, and is registered first
 FALLBACK_RUNTIMES: frozenset[str] = frozenset()
 MODEL_FORMAT: ModelFormat = "folder"
+UNIX_SOCKET = True
 MEMORY_SHARE = False
 DEFAULT_EXECUTABLE: tuple[str, ...] = (sys.executable, "-m", "tests.support.toy_engine")
 ALLOWED_ARGS = Allowlist("toy", (AllowedFlag(("--slots",), IntValue(1, 64), "Requests served at once."),))

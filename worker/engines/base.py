@@ -194,6 +194,7 @@ class EngineAdapter(Protocol):
     FALLBACK_RUNTIMES: frozenset[str]
     MODEL_FORMAT: ModelFormat
     MEMORY_SHARE: bool  # told the share of each card it may use (`EnginePlan.memory_utilization`)
+    UNIX_SOCKET: bool  # can listen on a Unix socket (else it serves on 127.0.0.1 with its key everywhere)
     DEFAULT_EXECUTABLE: tuple[str, ...]
     ENDPOINTS: Mapping[str, Endpoint]
     ALLOWED_ARGS: Allowlist

@@ -108,7 +108,8 @@ class EngineSupervisor:
                  http: httpx.AsyncClient | None = None, unix_socket: bool | None = None,
                  remeasure: Remeasure | None = None, request_crashes: RequestCrashes | None = None):
         """`http` is used for an engine on a TCP port; one on a Unix socket gets its own client.
-        `unix_socket` None follows the platform (`UNIX_SOCKETS`); False keeps an engine on 127.0.0.1.
+        `unix_socket` None follows the platform (`UNIX_SOCKETS`) and the engine (`UNIX_SOCKET`); False keeps
+        an engine on 127.0.0.1.
         `remeasure` gives the memory share to start with after vLLM found the card's memory held
         (None: the planned share again). `wall_clock` dates the next start (`retry_at`) for people.
         `request_crashes` is the node's count of crashes requests caused (shared by its engines)."""
@@ -128,7 +129,8 @@ class EngineSupervisor:
         self._http = http
         self._owns_http = False
         self._health_client = LoopbackClient(max_idle_per_engine=1)
-        self._unix_socket = UNIX_SOCKETS if unix_socket is None else unix_socket
+        # an engine that cannot listen on a Unix socket (SGLang) keeps 127.0.0.1 and its key everywhere
+        self._unix_socket = (UNIX_SOCKETS if unix_socket is None else unix_socket) and self.adapter.UNIX_SOCKET
         self._socket_path: Path | None = None
         self._temp_folder: Path | None = None
         self._config_home: Path | None = None

@@ -37,6 +37,7 @@ ARGS_TITLE = "llama.cpp (`llama-server`)"
 RUNTIMES: frozenset[str] = frozenset({"apple-silicon", "windows", "cpu"})
 FALLBACK_RUNTIMES: frozenset[str] = frozenset()  # first wherever it runs
 MODEL_FORMAT: ModelFormat = "gguf"
+UNIX_SOCKET = True  # `--host PATH.sock`
 MEMORY_SHARE = False  # `--fit off` instead: a context that does not fit fails, and a lower tier is tried
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("llama-server",)
 ALLOWED_ARGS = llamacpp_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
@@ -121,7 +122,7 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
     "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS",
-    "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
+    "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
     "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics", "environment", "find_installed", "install",
     "parse_line", "ready_snapshot", "runtime_environment", "start_problem", "tier_warning", "units",
 ]

@@ -42,6 +42,7 @@ DISPLAY_NAME = "SGLang"
 ARGS_TITLE = "SGLang 0.5.23 (`python -m sglang.launch_server`)"
 FALLBACK_RUNTIMES: frozenset[str] = frozenset()
 MODEL_FORMAT: ModelFormat = "folder"
+UNIX_SOCKET = False  # no Unix socket listener: 127.0.0.1 and its key
 MEMORY_SHARE = True  # told `--mem-fraction-static`: the measured usable share less its activation headroom
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("python3",)  # the Python of SGLang's venv, which runs `LAUNCHER`
 ALLOWED_ARGS = sglang_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
@@ -106,7 +107,7 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
-    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "LAUNCHER", "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME",
+    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "LAUNCHER", "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME",
     "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics",
     "environment", "find_installed", "install", "parse_line", "ready_snapshot", "runtime_environment", "serves_group",
     "tier_warning", "units",

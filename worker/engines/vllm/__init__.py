@@ -34,6 +34,7 @@ RUNTIMES: frozenset[str] = frozenset({"native", "wsl2", "cpu"})
 # Runtimes it serves only for a model with no block for the others (contract: llama.cpp first on `cpu`).
 FALLBACK_RUNTIMES: frozenset[str] = frozenset({"cpu"})
 MODEL_FORMAT: ModelFormat = "folder"
+UNIX_SOCKET = True  # `--uds`
 MEMORY_SHARE = True  # `--gpu-memory-utilization`: its start-up check fails on a card the desktop holds
 DEFAULT_EXECUTABLE: tuple[str, ...] = ("vllm",)
 ALLOWED_ARGS = vllm_args.ALLOWLIST  # the only arguments an assignment may set (contract rule 4)
@@ -103,7 +104,7 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
     "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS",
-    "MEMORY_SHARE", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
+    "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
     "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics",
     "environment", "find_installed", "install", "parse_line", "ready_snapshot",
     "runtime_environment", "serves_group", "tier_warning", "units",
