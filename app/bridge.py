@@ -36,7 +36,7 @@ class NodeLike(Protocol):
 
     def shutdown(self) -> None: ...
 
-    def apply_settings(self, settings: Settings) -> None: ...
+    def save_settings(self, settings: Settings) -> None: ...
 
     def token_changed(self) -> None: ...
 
@@ -105,8 +105,9 @@ class Bridge(QObject):
     def resume(self) -> None:
         self.node.resume()
 
-    def apply_settings(self, settings: Settings) -> None:
-        self.node.apply_settings(settings)
+    def save_settings(self, settings: Settings) -> None:
+        """The core saves them (its one save path) and applies them; `OSError` where it could not."""
+        self.node.save_settings(settings)
 
     def token_changed(self) -> None:
         """A token was stored: the link stops waiting in `signed_out` and connects now."""

@@ -1,8 +1,8 @@
 """The first-run flow: which network, sign in, the electricity price, the GPUs to lend, start at
 login and pausing for games, on a new install (`Settings.setup_complete` is False).
 
-Nothing is written until Finish: then the settings are saved with `setup_complete`, applied to the
-core, the login item follows the choice and the core hears of a new token. Cancel writes nothing,
+Nothing is written until Finish: then the core saves the settings with `setup_complete` and applies
+them, the login item follows the choice and the core hears of a new token. Cancel writes nothing,
 so the flow is offered again at the next start. The token alone is kept as soon as it is given
 (by `TokenForm`, in the keyring), since that is where a keyring problem must be shown.
 """
@@ -27,7 +27,7 @@ from app.signin import TokenForm, account_link
 from worker.system import autostart
 from worker.system import networks
 from worker.system import secrets
-from worker.system.config import Paths, Settings, save_settings
+from worker.system.config import Settings
 from worker.system.networks import Network
 
 NETWORK, SIGN_IN, PRICE, GPUS, HABITS = range(5)
@@ -173,7 +173,6 @@ class FirstRunFlow(QWizard):
     def __init__(
         self,
         settings: Settings,
-        paths: Paths,
         bridge: Bridge,
         startup: autostart.Autostart,
         *,
@@ -189,7 +188,6 @@ class FirstRunFlow(QWizard):
         self.setButtonText(QWizard.WizardButton.CancelButton, "Later")  # asked again at the next start
         self.setMinimumWidth(560)
         self.settings = settings
-        self._paths = paths
         self._bridge = bridge
         self._startup = startup
         offered = choices or networks.choices()
@@ -236,13 +234,12 @@ class FirstRunFlow(QWizard):
         )
         try:
             autostart.apply_setting(self._startup, was_on=self.settings.start_at_login, now_on=updated.start_at_login)
-            save_settings(self._paths, updated)
+            self._bridge.save_settings(updated)  # the core saves and applies them
         except OSError as exc:
             self.habits_page.error.setText(f"Could not save the settings ({exc}). Check that the folder is "
                                            "writable, then press Start again.")
             self.habits_page.error.show()
             return
-        self._bridge.apply_settings(updated)
         if self.sign_in_page.given and not network.is_local:
             self._bridge.token_changed()
         self.settings = updated

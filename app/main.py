@@ -194,7 +194,7 @@ class DesktopApp(QObject):
     def open_first_run(self) -> None:
         """The first-run flow, window-modal to the dashboard only: the app keeps running under it."""
         if self.first_run is None:
-            self.first_run = FirstRunFlow(self.settings, self.paths, self.bridge, self._login_item(),
+            self.first_run = FirstRunFlow(self.settings, self.bridge, self._login_item(),
                                           chosen=networks.for_url(self._coordinator) if self._coordinator else None,
                                           parent=self.dashboard)
             self.first_run.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)

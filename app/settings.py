@@ -34,7 +34,7 @@ from app.signin import SignInDialog
 from worker.system import autostart
 from worker.system import networks
 from worker.system import secrets
-from worker.system.config import Paths, Settings, save_settings
+from worker.system.config import Paths, Settings
 from worker.contract.events import NodeSnapshot
 from worker.system.networks import Network
 
@@ -354,11 +354,10 @@ class SettingsDialog(QDialog):
             return
         try:
             autostart.apply_setting(self._startup, was_on=self.settings.start_at_login, now_on=updated.start_at_login)
-            save_settings(self._paths, updated)
+            self._bridge.save_settings(updated)  # the core saves and applies them
         except OSError as exc:
             self._show_error([f"Could not save ({exc}). Check that the folder is writable, then try again."])
             return
-        self._bridge.apply_settings(updated)
         self.settings = updated
         self.saved.emit(updated)
         self.accept()

@@ -21,8 +21,8 @@ REAL = Network("Test Network", "wss://coordinator.example.net/v1/node", "https:/
 
 
 @pytest.fixture
-def node() -> ScriptedNode:
-    return ScriptedNode(snapshots.idle())
+def node(paths: Paths) -> ScriptedNode:
+    return ScriptedNode(snapshots.idle(), paths=paths)
 
 
 @pytest.fixture

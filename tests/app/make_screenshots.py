@@ -26,7 +26,7 @@ from app.tray import Tray
 from tests.app import snapshots
 from tests.app.scripted_node import ScriptedNode
 from worker.system import autostart
-from worker.system.config import Paths, Settings
+from worker.system.config import Settings
 from worker.contract.events import NodeSnapshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def first_run_shots(suffix: str) -> None:
     folder = Path(tempfile.mkdtemp(prefix="gpu-provider-shot-"))
     bridge = Bridge(ScriptedNode(snapshots.idle()))
     for page_id, name in FIRST_RUN_PAGES:
-        flow = FirstRunFlow(Settings(), Paths.under(folder), bridge, autostart.for_platform(data_dir=str(folder)))
+        flow = FirstRunFlow(Settings(), bridge, autostart.for_platform(data_dir=str(folder)))
         flow.setStartId(page_id)
         flow.restart()
         flow.resize(620, 480)

@@ -9,13 +9,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from worker.system.config import Settings
+from worker.system.config import Paths, Settings, save_settings
 from worker.contract.events import NodeSnapshot
 
 
 class ScriptedNode:
-    def __init__(self, first: NodeSnapshot, *, log_files: dict[str, Path] | None = None) -> None:
+    def __init__(self, first: NodeSnapshot, *, log_files: dict[str, Path] | None = None,
+                 paths: Paths | None = None) -> None:
+        """`paths`: where `save_settings` writes, through the core's own saver."""
         self._snapshot = first
+        self._paths = paths
         self._subscribers: list[Callable[[NodeSnapshot], None]] = []
         self._stopped = threading.Event()
         self.commands: list[tuple[str, Any]] = []
@@ -47,8 +50,10 @@ class ScriptedNode:
         self.commands.append(("shutdown", None))
         self._stopped.set()
 
-    def apply_settings(self, settings: Settings) -> None:
-        self.commands.append(("apply_settings", settings))
+    def save_settings(self, settings: Settings) -> None:
+        assert self._paths is not None, "a test that saves settings gives the node its paths"
+        save_settings(self._paths, settings)  # raises OSError as the core's does: nothing recorded then
+        self.commands.append(("save_settings", settings))
 
     def token_changed(self) -> None:
         self.commands.append(("token_changed", None))

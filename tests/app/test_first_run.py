@@ -29,7 +29,7 @@ CHOICES = (REAL, networks.LOCAL)
 
 
 def start(qtbot, paths, bridge, login_item, settings: Settings | None = None) -> FirstRunFlow:
-    flow = FirstRunFlow(settings or Settings(), paths, bridge, login_item, choices=CHOICES)
+    flow = FirstRunFlow(settings or Settings(), bridge, login_item, choices=CHOICES)
     qtbot.addWidget(flow)
     flow.show()
     return flow
@@ -78,7 +78,7 @@ def test_the_real_network_signs_in_and_finish_saves_everything(qtbot, scheme, pa
     assert saved == Settings(coordinator_url=REAL.coordinator_url, currency="EUR", electricity_price_per_kwh=0.31,
                              gpus_to_lend=(0,), start_at_login=True, auto_pause_for_games=True, setup_complete=True)
     assert login_item.is_enabled()
-    assert node.commands == [("apply_settings", saved), ("token_changed", None)]
+    assert node.commands == [("save_settings", saved), ("token_changed", None)]
     assert flow.result() == QWizard.DialogCode.Accepted and not flow.isVisible()
 
 
@@ -96,7 +96,7 @@ def test_only_this_computer_skips_signing_in(qtbot, scheme, paths, bridge, node,
     saved = load_settings(paths)
     assert (saved.coordinator_url, saved.currency, saved.setup_complete) == ("local", "USD", True)
     assert saved.auto_pause_for_games is False and saved.gpus_to_lend is None and not login_item.is_enabled()
-    assert node.commands == [("apply_settings", saved)]  # no token: nothing to tell the core
+    assert node.commands == [("save_settings", saved)]  # no token: nothing to tell the core
     assert memory_keyring.passwords == {}
 
 
@@ -117,7 +117,7 @@ def test_a_bad_price_is_explained_on_its_page(qtbot, paths, bridge, node, login_
 
 
 def test_the_gpus_appear_when_detection_finishes(qtbot, scheme, paths, login_item):
-    node = ScriptedNode(snapshots.detecting())
+    node = ScriptedNode(snapshots.detecting(), paths=paths)
     bridge = Bridge(node)
     flow = start(qtbot, paths, bridge, login_item)
     flow.network_page.buttons[1].setChecked(True)
@@ -197,7 +197,7 @@ def test_an_earlier_setup_is_the_starting_point(qtbot, paths, bridge, login_item
 
 def test_a_network_named_on_the_command_line_is_chosen(qtbot, paths, bridge, login_item):
     other = networks.for_url("wss://other.example.org/v1/node")
-    flow = FirstRunFlow(Settings(), paths, bridge, login_item, chosen=other, choices=CHOICES)
+    flow = FirstRunFlow(Settings(), bridge, login_item, chosen=other, choices=CHOICES)
     qtbot.addWidget(flow)
     assert flow.network() == other and len(flow.network_page.buttons) == 3
 

@@ -53,7 +53,7 @@ def test_round_trip_saves_applies_and_reloads(qtbot, paths, bridge, node, login_
     assert saved.update_channel == "beta"
     assert saved.allow_remote_code is False
     assert saved.autopause_ignored == ("obs64.exe", "blender")
-    assert node.commands == [("apply_settings", saved)]
+    assert node.commands == [("save_settings", saved)]
     assert dialog.result() == SettingsDialog.DialogCode.Accepted
 
     again = dialog_for(qtbot, paths, bridge, login_item, saved)
@@ -113,7 +113,7 @@ def test_switching_network_saves_it_with_its_currency(qtbot, paths, bridge, node
     dialog.save_button.click()
     saved = load_settings(paths)
     assert (saved.coordinator_url, saved.currency) == (REAL.coordinator_url, "EUR")
-    assert node.commands == [("apply_settings", saved)]  # the core reconnects to the network applied
+    assert node.commands == [("save_settings", saved)]  # the core reconnects to the network applied
     assert dialog.settings == saved
 
 
@@ -166,3 +166,13 @@ def test_no_colours_are_hard_coded(qtbot, paths, bridge, login_item):
     dialog.price.setText("x")
     dialog.save_button.click()
     assert [w for w in [dialog, *dialog.findChildren(QWidget)] if w.styleSheet()] == []
+
+
+def test_a_save_the_core_could_not_write_is_explained_and_nothing_is_applied(qtbot, paths, bridge, node, login_item):
+    paths.settings_file.mkdir()  # where the file goes, a folder: the core's write fails (also as root)
+    dialog = dialog_for(qtbot, paths, bridge, login_item)
+    dialog.show()
+    dialog.price.setText("0.2")
+    dialog.save_button.click()
+    assert "Could not save" in dialog.error.text() and dialog.isVisible()
+    assert node.commands == [] and dialog.settings == Settings()

@@ -31,7 +31,7 @@ from tests.integration.test_node import (
 from worker.provision import fetch as download
 from worker.node import node as node_module
 from worker.contract import protocol
-from worker.system.config import Settings
+from worker.system.config import Settings, load_settings
 from worker.contract.events import Problem
 from worker.link.connection import Backoff
 from worker.link.local import ReferenceCoordinator
@@ -217,7 +217,8 @@ async def test_a_new_network_in_settings_switches_the_link_and_ends_the_old_assi
     try:
         async with controlled_node(tmp_path, vllm_standin, assign=vllm_assign(model_folder(tmp_path))) as run:
             await run.status("ready")
-            run.node.apply_settings(dataclasses.replace(Settings(), coordinator_url=other.url))
+            run.node.save_settings(dataclasses.replace(Settings(), coordinator_url=other.url))
+            assert load_settings(run.node.paths).coordinator_url == other.url  # saved by the core, then applied
             hello = await other.wait_for_connections(1, timeout=STATE_TIMEOUT_S)
             assert hello.node_id == run.node.state.node_id
             await eventually(lambda: run.node.snapshot().connection.state == "connected")

@@ -6,7 +6,8 @@ update and shutdown. Each part owns its state: the coordinator connection (`Upli
 the ledger (`Books`), who hears what and when (`Publisher`, with the `StatusFile`); `node_view`
 builds what the node shows and reports. The Node composes them on one asyncio loop, keeps the
 assignment, the plan and the pause, and turns coordinator messages and user commands into actions
-in the right order. Commands (`pause`, `resume`, `retry`, `apply_settings`, `sign_out`,
+in the right order: what to do is `policy`'s to decide, pure, and the Node carries it out; the
+1 Hz sampling is `sampler`'s. Commands (`pause`, `resume`, `retry`, `save_settings`, `sign_out`,
 `shutdown`, …) are safe to call from any thread. `diagnosis` words what failed for the person.
 """
 
@@ -28,6 +29,7 @@ from worker.contract import protocol
 from worker.node import policy
 from worker.node.autopause import AutoPauser
 from worker.system.config import Paths, Settings, State, load_state, save_state
+from worker.system.config import save_settings as write_settings
 from worker.system.datalock import DataFolderInUse, DataFolderLock
 from worker.node.provision_failure import network_failure, offline_problem, provision_problem
 from worker.serve.engine_set import EngineSet
@@ -141,7 +143,10 @@ class Node:
     def resume(self) -> None:
         self._tasks.call(lambda: self._tasks.spawn(self._locked(policy.Resumed("user"))))
 
-    def apply_settings(self, settings: Settings) -> None:
+    def save_settings(self, settings: Settings) -> None:
+        """The one place settings are saved: written (on the calling thread, so that a dialog can
+        say what failed), then applied to the running node. `OSError`: nothing was applied."""
+        write_settings(self.paths, settings)
         self._tasks.call(lambda: self._set_settings(settings))
 
     def token_changed(self) -> None:
