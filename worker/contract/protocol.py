@@ -165,6 +165,9 @@ class EngineModel(_Message):
         return sorted(((int(k), list(v)) for k, v in self.tiers.items()), key=lambda t: t[0])
 
 
+_MODEL_KEYS = frozenset({"name", "prefer"})  # `model`'s own keys: every other key is an engine's block
+
+
 class ModelSpec(_Message):
     """The model's `name` and, under each engine's name, that engine's block (`EngineModel`).
 
@@ -177,6 +180,9 @@ class ModelSpec(_Message):
     model_config = ConfigDict(extra="allow", frozen=True)
     __pydantic_extra__: dict[EngineName, EngineModel]
     name: str = Field(min_length=1)
+    # where several blocks fit, the engines in the order the network would have them (contract,
+    # Assignment: `model.prefer`); a known key of `model`, never an engine block
+    prefer: tuple[Annotated[str, Field(max_length=64)], ...] = Field(default=(), max_length=16)
 
     if TYPE_CHECKING:  # engine blocks are keyword arguments named by engine; at run time pydantic's
         # own `__init__` stays, as a custom one would validate nested models without their context
@@ -193,10 +199,10 @@ class ModelSpec(_Message):
         if names is None:  # built in code: its blocks are the ones it names
             return {key: value for key, value in data.items() if value is not None}
         known = set(names)
-        if unknown := [key for key in data if key != "name" and key not in known]:
+        if unknown := [key for key in data if key not in _MODEL_KEYS and key not in known]:
             log.info("model %.80r: ignoring %d block(s) for engines this app does not run: %.200s",
                      data.get("name"), len(unknown), ", ".join(repr(str(key)) for key in unknown[:5]))
-        return {key: value for key, value in data.items() if key == "name" or (key in known and value is not None)}
+        return {key: value for key, value in data.items() if key in _MODEL_KEYS or (key in known and value is not None)}
 
     @property
     def engines(self) -> dict[EngineName, EngineModel]:

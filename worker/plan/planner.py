@@ -201,7 +201,7 @@ def _plan(
 ) -> Plan | Refusal:
     if too_big := size_problem(assign.model):
         return Refusal(too_big)
-    chosen = choose_engine(machine, assign.model)
+    chosen = choose_engine(machine, assign.model, assign.model.prefer)
     if isinstance(chosen, Refusal):
         return chosen
     adapter, engine_model = chosen

@@ -100,7 +100,7 @@ def test_an_engine_block_this_app_does_not_run_is_ignored_as_an_unknown_type_is(
     assert isinstance(message, protocol.Assign)
     assert message.model == protocol.ModelSpec(name="m", vllm=protocol.EngineModel.model_validate(ENGINE_MODEL))
     assert message.model.for_engine("sglang") is None and message.model.for_engine("llamacpp") is None
-    assert set(json.loads(protocol.encode(message))["model"]) == {"name", "vllm"}
+    assert set(json.loads(protocol.encode(message))["model"]) == {"name", "prefer", "vllm"}  # prefer: model's own
 
 
 def test_the_engines_read_are_the_names_handed_in_with_the_frame() -> None:

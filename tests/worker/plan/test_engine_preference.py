@@ -3,7 +3,10 @@ assignment's order wins over registration order; a fallback stays last whatever 
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import pytest
 
 from tests.worker.hardware.recorded import replay
 from worker.contract import protocol
@@ -82,3 +85,27 @@ def test_an_sglang_plan_is_told_the_share_less_its_activation_headroom() -> None
     argv = engine.argv()
     assert engine.memory_utilization == 0.771 and argv[argv.index("--mem-fraction-static") + 1] == "0.621"
     assert argv[argv.index("--tp-size") + 1] == "1" and argv[argv.index("--host") + 1] == "127.0.0.1"
+
+
+def wire_assign(model_json: dict[str, Any]) -> protocol.Assign:
+    frame = {"type": "assign", "assignment_id": "a-9", "model": model_json}
+    message = protocol.parse_from_coordinator(json.dumps(frame), engine_names=registry.names())
+    assert isinstance(message, protocol.Assign)
+    return message
+
+
+def test_prefer_read_off_the_wire_decides_the_plan() -> None:
+    """`model.prefer` is a key of `model`, never taken for an engine's block, and the plan follows it."""
+    both = {"name": "qwen3-8b", "vllm": FOLDER_BLOCK, "sglang": FOLDER_BLOCK}
+    assert wire_assign(both).model.prefer == ()
+    preferring = wire_assign({**both, "prefer": ["sglang", "vllm"]})
+    assert preferring.model.prefer == ("sglang", "vllm") and set(preferring.model.engines) == {"vllm", "sglang"}
+    assert isinstance(without := plan(gpu_machine(), wire_assign(both), Settings()), Plan) and without.engine == "vllm"
+    assert isinstance(with_ := plan(gpu_machine(), preferring, Settings()), Plan) and with_.engine == "sglang"
+
+
+def test_a_prefer_list_past_its_bound_is_refused_as_a_bad_message() -> None:
+    frame = {"type": "assign", "assignment_id": "a-9",
+             "model": {"name": "m", "vllm": FOLDER_BLOCK, "prefer": ["vllm"] * 17}}
+    with pytest.raises(protocol.BadMessage, match="model.prefer"):
+        protocol.parse_from_coordinator(json.dumps(frame), engine_names=registry.names())
