@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from worker.contract import protocol
@@ -238,7 +238,7 @@ class Decision:
 
     state: State
     before: tuple[Action, ...] = ()
-    after: tuple[Action, ...] = field(default=())
+    after: tuple[Action, ...] = ()
 
     @property
     def actions(self) -> tuple[Action, ...]:
