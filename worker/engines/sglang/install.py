@@ -17,7 +17,7 @@ from pathlib import Path
 
 from worker.contract.events import Problem
 from worker.engines.installing import EngineInstall, InstallError, InstallRequest, newest_installed, none_shipped
-from worker.engines.vllm.install import StepReporter, VenvPlace, pip_step, run_logged
+from worker.engines.venv import StepReporter, VenvPlace, pip_step, run_logged
 
 CUDA_TAG = "cu130"
 TORCH_INDEX = f"https://download.pytorch.org/whl/{CUDA_TAG}"

@@ -24,7 +24,8 @@ from worker.contract.events import DownloadProgress
 from worker.engines.finding import find_engines, run_for_version
 from worker.engines.vllm.find import find_vllm
 from worker.engines.releases import version_problem
-from worker.engines.vllm.install import MARKER, VenvPlace, cpu_install_steps, host_place
+from worker.engines.venv import VenvPlace
+from worker.engines.vllm.install import MARKER, cpu_install_steps, host_place
 from worker.engines.vllm.releases import SHIPPED, VllmReleases
 from worker.provision.engine_install import ensure_engine
 from worker.provision.errors import ProvisionError

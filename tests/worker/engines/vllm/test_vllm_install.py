@@ -11,7 +11,8 @@ from tests.support.wheels import fake_vllm_wheel
 from worker.system.config import Paths
 from worker.contract.events import DownloadProgress
 from worker.engines.installing import EngineInstall, InstallError
-from worker.engines.vllm.install import MARKER, VenvPlace, child_env, host_place, pip_install_argv, pip_step, venv_place
+from worker.engines.venv import VenvPlace, child_env, pip_step
+from worker.engines.vllm.install import MARKER, host_place, pip_install_argv, venv_place
 from worker.provision.engine_install import ensure_engine, remove_unused, wsl_place
 from worker.provision.errors import ProvisionError
 
