@@ -58,7 +58,7 @@ def build_parser() -> CommandLine:
     detect.add_argument("--pretty", action="store_true", help="print a table for people instead of JSON")
     detect.add_argument(
         "--engine-bin", metavar="NAME=PATH", action="append", default=[],
-        help="where an engine lives (vllm=/opt/venv/bin/vllm, llamacpp=/usr/local/bin/llama-server); repeatable",
+        help="where an engine lives, NAME=PATH, NAME as `detect` lists the engines; repeatable",
     )
     detect.add_argument(
         "--reading", metavar="FILE",
@@ -112,7 +112,7 @@ def node_options() -> argparse.ArgumentParser:
     options.add_argument("--hardware", metavar="FILE", help="use a `detect` output instead of live detection")
     options.add_argument(
         "--engine-bin", metavar="NAME=PATH", action="append", default=[],
-        help="an engine executable (vllm=PATH, llamacpp=PATH); repeatable",
+        help="an engine executable, NAME=PATH, NAME as `detect` lists the engines; repeatable",
     )
     options.add_argument("--model", metavar="PATH|URL|REPO", help="with --coordinator local: the model to serve")
     options.add_argument(
