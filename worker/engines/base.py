@@ -89,10 +89,13 @@ class KvCachePart:
 
 @dataclass(frozen=True)
 class ContextTooLong:
-    """vLLM refused: the max model length needs more KV cache than there is memory for."""
+    """The engine refused the context asked for: more KV cache than there is memory for (vLLM), or
+    more than the model itself takes (`model_max`: SGLang). `flag` is the engine's context flag."""
 
     max_seq_len: int
     estimated_max_len: int | None
+    flag: str = "--max-model-len"
+    model_max: bool = False
 
 
 @dataclass(frozen=True)

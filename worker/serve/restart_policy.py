@@ -186,11 +186,14 @@ class RequestCrashes:
 
 
 def context_refusal(fact: ContextTooLong) -> str:
+    if fact.model_max:
+        return (f"The engine refused context length {fact.max_seq_len}: the model itself takes at most "
+                f"{fact.estimated_max_len} tokens. Lower {fact.flag} to {fact.estimated_max_len} or less.")
     estimate = (f"; with the memory there is, it estimates at most {fact.estimated_max_len} tokens"
                 if fact.estimated_max_len is not None else "")
     lower = f" to {fact.estimated_max_len} or less" if fact.estimated_max_len is not None else ""
     return (f"The engine refused max model len {fact.max_seq_len}: its KV cache does not fit in GPU memory"
-            f"{estimate}. Lower --max-model-len{lower}, or free GPU memory.")
+            f"{estimate}. Lower {fact.flag}{lower}, or free GPU memory.")
 
 
 @dataclass

@@ -54,7 +54,7 @@ def parse_line(line: str) -> LogFact | None:
     """The fact one line of SGLang output carries (stdout or stderr), or None."""
     message = clean_line(line)
     if match := _TOO_LONG.search(message):
-        return ContextTooLong(int(match.group(1)), int(match.group(2)))
+        return ContextTooLong(int(match.group(1)), int(match.group(2)), flag="--context-length", model_max=True)
     if _OOM.search(message):
         return OutOfMemory(message.strip())
     if _FAILED.search(message):

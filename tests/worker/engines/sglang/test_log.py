@@ -18,6 +18,7 @@ from worker.engines.base import (
     StartupComplete,
 )
 from worker.engines.sglang.log import parse_line
+from worker.serve.restart_policy import context_refusal
 
 TP = "[2026-12-02 10:00:00 TP0] "
 MAIN = "[2026-12-02 10:00:00] "
@@ -56,7 +57,14 @@ def test_a_context_above_the_models_is_a_context_refusal_with_both_numbers() -> 
             "(40960). This may lead to incorrect model outputs or CUDA errors. Note that the derived context_length "
             "may differ from max_position_embeddings in the model's config. To allow overriding this maximum, set "
             "the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
-    assert parse_line(line) == ContextTooLong(131072, 40960)
+    assert parse_line(line) == ContextTooLong(131072, 40960, flag="--context-length", model_max=True)
+
+
+def test_sglangs_context_refusal_speaks_of_the_models_limit_and_its_own_flag() -> None:
+    """Not vLLM's KV-cache words: SGLang refused a context above what the model itself takes."""
+    refusal = context_refusal(ContextTooLong(131072, 40960, flag="--context-length", model_max=True))
+    assert refusal == ("The engine refused context length 131072: the model itself takes at most 40960 tokens. "
+                       "Lower --context-length to 40960 or less.")
 
 
 @pytest.mark.parametrize("line", [
