@@ -343,7 +343,7 @@ async def test_run_while_a_loop_runs_starts_no_second_one(coordinator) -> None:
     link.reopen()
     await asyncio.wait_for(link.run(), 1)  # returns at once: the first loop is still running
     await closing
-    await coordinator.wait_for_connections(2)  # the first loop reconnected
+    await coordinator.wait_for_connections(2, timeout=15.0)  # the first loop reconnected (within its backoff)
     await asyncio.sleep(0.2)
     assert len(coordinator.hellos) == 2 and not first.done()
     await link.close()
