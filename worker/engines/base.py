@@ -307,6 +307,17 @@ def child_environment(base: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in base.items() if k not in secret and not k.startswith(prefixes)}
 
 
+def run_environment(env: dict[str, str], key_variable: str, api_key: str | None,
+                    config_home: str | None) -> dict[str, str]:
+    """`env` with this run's key in the engine's own variable (never on its command line) and user
+    configuration under `config_home` (a folder the app owns) rather than `~/.config`."""
+    if api_key is not None:
+        env[key_variable] = api_key
+    if config_home is not None:
+        env["XDG_CONFIG_HOME"] = config_home
+    return env
+
+
 def cuda_environment(base: Mapping[str, str], gpu_indices: Sequence[int]) -> dict[str, str]:
     """The child sees exactly its GPUs, numbered as NVML numbers them, and never the provider token
     or an inherited engine key."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from worker.engines import layout
-from worker.engines.base import Endpoint, Launch, LocalDefaults, ModelFormat, Room, Run, VersionRunner, cuda_environment
+from worker.engines.base import (
+    Endpoint, Launch, LocalDefaults, ModelFormat, Room, Run, VersionRunner, cuda_environment, run_environment,
+)
 from worker.engines.layout import Unit
 from worker.engines.llamacpp import args as llamacpp_args
 from worker.engines.llamacpp.install import install
@@ -79,13 +81,9 @@ def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key:
     `config.ini` looked up under `config_home`, a folder the app owns, so a file planted in
     `~/.config/llama.cpp/` cannot set `host = 0.0.0.0` (`XDG_CONFIG_HOME`; `APPDATA` on Windows)."""
     env = {k: v for k, v in cuda_environment(base, gpu_indices).items() if not k.startswith("AIP_")}
-    if api_key is not None:
-        env[KEY_VARIABLE] = api_key
-    if config_home is not None:
-        env["XDG_CONFIG_HOME"] = config_home
-        if "APPDATA" in env:
-            env["APPDATA"] = config_home
-    return env
+    if config_home is not None and "APPDATA" in env:
+        env["APPDATA"] = config_home  # Windows looks there, not under XDG_CONFIG_HOME
+    return run_environment(env, KEY_VARIABLE, api_key, config_home)
 
 
 def units(machine: Machine, weights_mib: int, cap: float | None) -> list[Unit] | str:
@@ -121,8 +119,8 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
-    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS",
-    "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
-    "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics", "environment", "find_installed", "install",
-    "parse_line", "ready_snapshot", "runtime_environment", "start_problem", "tier_warning", "units",
+    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX",
+    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES",
+    "capacity", "command", "derive_metrics", "environment", "find_installed", "install", "parse_line",
+    "ready_snapshot", "runtime_environment", "start_problem", "tier_warning", "units",
 ]

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from worker.contract.events import EngineSnapshot
-from worker.engines.base import Endpoint, Launch, LocalDefaults, ModelFormat, Slots, VersionRunner, cuda_environment
+from worker.engines.base import (
+    Endpoint, Launch, LocalDefaults, ModelFormat, Slots, VersionRunner, cuda_environment, run_environment,
+)
 from worker.engines.sglang import args as sglang_args
 from worker.engines.sglang.find import find_sglang
 from worker.engines.sglang.hints import FAILURE_HINTS
@@ -89,11 +91,7 @@ def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key:
     env = {k: v for k, v in cuda_environment(base, gpu_indices).items()
            if k != KEY_VARIABLE and not k.startswith(PRIVATE_ENV_PREFIXES)}
     env.update({"NO_COLOR": "1", "PYTHONUNBUFFERED": "1", "DO_NOT_TRACK": "1"})
-    if api_key is not None:
-        env[KEY_VARIABLE] = api_key
-    if config_home is not None:
-        env["XDG_CONFIG_HOME"] = config_home
-    return env
+    return run_environment(env, KEY_VARIABLE, api_key, config_home)
 
 
 def ready_snapshot(reads: Mapping[str, Any], snapshot: EngineSnapshot, slots: Slots | None) -> EngineSnapshot:
@@ -107,8 +105,8 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
-    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "LAUNCHER", "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME",
-    "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics",
-    "environment", "find_installed", "install", "parse_line", "ready_snapshot", "runtime_environment", "serves_group",
-    "tier_warning", "units",
+    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "LAUNCHER", "MEMORY_SHARE", "UNIX_SOCKET",
+    "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES",
+    "RUNTIMES", "capacity", "command", "derive_metrics", "environment", "find_installed", "install",
+    "parse_line", "ready_snapshot", "runtime_environment", "serves_group", "tier_warning", "units",
 ]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from worker.engines.base import Endpoint, Launch, LocalDefaults, ModelFormat, Slots, VersionRunner, cuda_environment
+from worker.engines.base import (
+    Endpoint, Launch, LocalDefaults, ModelFormat, Slots, VersionRunner, cuda_environment, run_environment,
+)
 from worker.engines.vllm.find import find_vllm
 from worker.engines.vllm.hints import FAILURE_HINTS
 from worker.engines.vllm import args as vllm_args
@@ -85,11 +87,7 @@ def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key:
         {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1",
          "PYTHONUNBUFFERED": "1"}
     )
-    if api_key is not None:
-        env[KEY_VARIABLE] = api_key
-    if config_home is not None:
-        env["XDG_CONFIG_HOME"] = config_home
-    return env
+    return run_environment(env, KEY_VARIABLE, api_key, config_home)
 
 
 def ready_snapshot(reads: Mapping[str, Any], snapshot: EngineSnapshot, slots: Slots | None) -> EngineSnapshot:
@@ -103,9 +101,8 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
-    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS",
-    "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS",
-    "RELEASES", "RUNTIMES", "capacity", "command", "derive_metrics",
-    "environment", "find_installed", "install", "parse_line", "ready_snapshot",
-    "runtime_environment", "serves_group", "tier_warning", "units",
+    "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX",
+    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES",
+    "capacity", "command", "derive_metrics", "environment", "find_installed", "install", "parse_line",
+    "ready_snapshot", "runtime_environment", "serves_group", "tier_warning", "units",
 ]
