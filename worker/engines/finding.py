@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from worker.engines import registry
 from worker.engines.base import EngineAdapter, GpuGroups, VersionRunner, child_environment
 from worker.hardware.model import IN_WSL, EngineInstall, GpuGroup
+from worker.system import children
 
 _LINUX_GPU_RUNTIMES = frozenset({"native", "wsl2"})  # NVIDIA cards on Linux, or inside WSL2 on Windows
 
@@ -27,10 +28,8 @@ def run_for_version(argv: list[str], timeout_s: float, env: Mapping[str, str] | 
     The probe runs an engine binary, so it gets what an engine child gets: `env` (default: the
     app's own) without the provider token, engine keys or `LLAMA_ARG_*`."""
     try:
-        done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout_s, check=False,
-            env=child_environment(os.environ if env is None else env),
-        )
+        done = children.run(argv, timeout_s=timeout_s,
+                            env=child_environment(os.environ if env is None else env))
     except (OSError, subprocess.SubprocessError):
         return None
     return (done.stdout or "") + (done.stderr or "") if done.returncode == 0 else None

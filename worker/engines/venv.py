@@ -15,6 +15,7 @@ from pathlib import PurePath
 
 from worker.contract.events import DownloadProgress
 from worker.engines.installing import InstallPlace, ProgressCallback
+from worker.system import children
 
 _SCRUBBED_ENV = (
     "GPU_PROVIDER_TOKEN",
@@ -99,8 +100,8 @@ class StepReporter:
 
 async def run_logged(argv: Sequence[str], on_line: Callable[[str], None]) -> tuple[int, list[str]]:
     """Run a child (argv, no shell), feeding each output line to `on_line`; returns rc and the last lines."""
-    process = await asyncio.create_subprocess_exec(
-        *argv,
+    process = await children.start(
+        argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

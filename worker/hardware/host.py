@@ -16,6 +16,7 @@ from typing import Callable
 
 import psutil
 
+from worker.system import children
 from worker.system.secrets import ENV_VAR as TOKEN_VARIABLE
 
 MIB = 1024 * 1024
@@ -86,7 +87,7 @@ def run_quietly(argv: list[str], timeout_s: float) -> str | None:
     The probe (sysctl, nvidia-smi) is no engine: it gets the app's environment without the token."""
     env = {name: value for name, value in os.environ.items() if name != TOKEN_VARIABLE}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
+        done = children.run(argv, timeout_s=timeout_s, env=env)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None

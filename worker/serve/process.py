@@ -42,6 +42,7 @@ from typing import NoReturn
 
 import psutil
 
+from worker.system import children
 from worker.system.config import (
     narrow_existing,
     private_dir,
@@ -505,10 +506,10 @@ def spawn(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, pid_pa
     linux = sys.platform.startswith("linux")
     guard = None if windows else _Guard()  # before the engine: no moment where it runs unguarded
     try:
-        popen = subprocess.Popen(  # noqa: S603 - an argument list, never a shell
-            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
+        popen = children.popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
             start_new_session=not windows, preexec_fn=_die_with_parent(os.getpid()) if linux else None,
-            creationflags=subprocess.CREATE_NEW_PROCESS_GROUP if windows else 0,  # type: ignore[attr-defined]
+            flags=children.CREATE_NEW_PROCESS_GROUP if windows else 0,
         )
     except BaseException:
         if guard is not None:

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from worker.system import children
 from worker.system.config import Paths
 from worker.update.verify import UpdateRefused, is_newer, parse_version
 
@@ -315,5 +315,5 @@ def run_installed_if_newer(
     os.environ[LAUNCHER_ENV] = sys.executable
     command = [str(executable), *argv]
     if os.name == "nt":
-        sys.exit(subprocess.call(command))
+        sys.exit(children.call(command))
     os.execv(command[0], command)

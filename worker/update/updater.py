@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from worker import __version__
 from worker.contract import protocol
+from worker.system import children
 from worker.system.config import Paths, Settings
 from worker.provision.hosts import HostRefused, download_client
 from worker.contract.events import DownloadProgress
@@ -305,9 +305,8 @@ class Updater:
         marker.unlink(missing_ok=True)
         executable = self._install.executable(version)
         try:
-            process = await asyncio.create_subprocess_exec(
-                str(executable),
-                *self._options.launch_args,
+            process = await children.start(
+                [str(executable), *self._options.launch_args],
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL,
@@ -352,10 +351,7 @@ class Updater:
 def _detached() -> dict[str, Any]:
     """The new version must outlive this process: its own session (POSIX) or process group."""
     if sys.platform == "win32":
-        return {
-            "creationflags": subprocess.CREATE_NEW_PROCESS_GROUP
-            | subprocess.DETACHED_PROCESS
-        }
+        return {"flags": children.CREATE_NEW_PROCESS_GROUP | children.DETACHED_PROCESS}
     return {"start_new_session": True}
 
 
