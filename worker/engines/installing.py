@@ -88,6 +88,8 @@ class EngineInstall:
     version: str
     location: PurePath  # a folder here, or (inside WSL2) relative to the distro user's home
     library_dir: Path | None = None  # for LD_LIBRARY_PATH / PATH where the build ships libraries
+    in_wsl: bool = False  # it lives inside WSL2: `executable` is the Linux argv, run through `wsl.command`
+    wsl_distro: str | None = None  # the distribution it lives in (None: the default one)
 
 
 @runtime_checkable
