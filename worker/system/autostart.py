@@ -19,14 +19,24 @@ from typing import Any, Protocol
 APP_ID = "gpu-provider"
 LAUNCH_AGENT_LABEL = "net.gpu-provider.app"
 RUN_KEY = r"Software\Microsoft\Windows\CurrentVersion\Run"
+# The packaged executable a self-updated version was started by (set by worker.update.install at
+# the hand-over): what start-at-login must run, since versions/<v> is pruned two updates later.
+LAUNCHER_ENV = "GPU_PROVIDER_LAUNCHER"
 
 
 def default_command(data_dir: str | os.PathLike[str] | None = None) -> list[str]:
     """The command that starts the app minimised to the tray, on the data folder it runs on now
     (`--data-dir`, absolute, when it is not the default one)."""
-    base = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "app"]
+    base = [packaged_executable()] if getattr(sys, "frozen", False) else [sys.executable, "-m", "app"]
     folder = ["--data-dir", str(Path(data_dir).expanduser().resolve())] if data_dir else []
     return [*base, *folder, "--minimized"]
+
+
+def packaged_executable() -> str:
+    """The installed build's executable: the launcher that handed over to this updated version
+    when there is one (it starts the newest version itself), else this executable."""
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    return launcher if launcher and Path(launcher).is_file() else sys.executable
 
 
 def default_icon() -> str:
@@ -85,7 +95,16 @@ class LaunchAgent:
         self._command = list(command)
 
     def plist(self) -> dict[str, object]:
-        return {"Label": LAUNCH_AGENT_LABEL, "ProgramArguments": self._command, "RunAtLoad": True}
+        """The keys of the shipped template (installer/macos): started once at login, in the
+        user's graphical session only, scheduled as an app the person uses rather than a daemon."""
+        return {
+            "Label": LAUNCH_AGENT_LABEL,
+            "ProgramArguments": self._command,
+            "RunAtLoad": True,
+            "KeepAlive": False,
+            "ProcessType": "Interactive",
+            "LimitLoadToSessionType": "Aqua",
+        }
 
     def enable(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from worker.system import children
+from worker.system.autostart import LAUNCHER_ENV
 from worker.system.config import Paths
 from worker.update.verify import UpdateRefused, is_newer, parse_version
 
@@ -42,7 +43,6 @@ EXECUTABLE_NAME = {
     "darwin": "GPU Provider.app/Contents/MacOS/gpu-provider",
 }.get(sys.platform, "gpu-provider")
 HANDED_OFF_ENV = "GPU_PROVIDER_HANDED_OFF"
-LAUNCHER_ENV = "GPU_PROVIDER_LAUNCHER"  # the packaged executable: what autostart entries should run
 HELLO_MARKER_NAME = "update-hello.json"
 
 

@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from worker import __version__
 from worker.contract import protocol
 from worker.system import children
+from worker.system.autostart import LAUNCHER_ENV, packaged_executable
 from worker.system.config import Paths, Settings
 from worker.provision.hosts import HostRefused, download_client
 from worker.contract.events import DownloadProgress
@@ -310,6 +311,7 @@ class Updater:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL,
+                env=_launcher_environment(),
                 **_detached(),
             )
         except OSError as exc:
@@ -346,6 +348,14 @@ class Updater:
     def _set(self, status: UpdateStatus) -> None:
         self._status = status
         self._on_status(status)
+
+
+def _launcher_environment() -> dict[str, str] | None:
+    """A packaged build tells the version it starts which executable is the installed one, so
+    that start-at-login written by that version names it, not versions/<v> (pruned later)."""
+    if not getattr(sys, "frozen", False):
+        return None
+    return {**os.environ, LAUNCHER_ENV: packaged_executable()}
 
 
 def _detached() -> dict[str, Any]:

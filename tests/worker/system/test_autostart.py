@@ -1,10 +1,17 @@
 from __future__ import annotations
 
 import plistlib
+import sys
+import types
+from pathlib import Path
+
+import pytest
 
 from worker.system.autostart import (
     APP_ID,
     LAUNCH_AGENT_LABEL,
+    LAUNCHER_ENV,
+    RUN_KEY,
     LaunchAgent,
     WindowsRunValue,
     XdgAutostart,
@@ -47,7 +54,7 @@ def test_launch_agent_plist(tmp_path):
     agent = LaunchAgent(COMMAND, agents_dir=tmp_path)
     agent.enable()
     data = plistlib.loads((tmp_path / f"{LAUNCH_AGENT_LABEL}.plist").read_bytes())
-    assert data == {"Label": LAUNCH_AGENT_LABEL, "ProgramArguments": COMMAND, "RunAtLoad": True}
+    assert data["ProgramArguments"] == COMMAND and data["RunAtLoad"] is True
     agent.disable()
     assert not agent.is_enabled()
 
@@ -94,3 +101,89 @@ def test_the_entry_carries_the_icon_and_the_data_folder(tmp_path, monkeypatch):
     icon = next(line for line in text.splitlines() if line.startswith("Icon=")).removeprefix("Icon=")
     assert icon.endswith("icon.png") and (tmp_path / icon).is_file()
     assert "--data-dir" not in " ".join(default_command())
+
+
+TEMPLATE = Path(__file__).resolve().parents[3] / "installer" / "macos" / f"{LAUNCH_AGENT_LABEL}.plist"
+
+
+def test_the_launch_agent_has_the_shipped_templates_keys(tmp_path):
+    """Interactive scheduling and the Aqua session, as the template a managed install uses."""
+    app = "/Applications/GPU Provider.app"
+    template = plistlib.loads(TEMPLATE.read_bytes().replace(b"@APP_PATH@", app.encode()))
+    LaunchAgent([f"{app}/Contents/MacOS/gpu-provider", "--minimized"], agents_dir=tmp_path).enable()
+    assert plistlib.loads((tmp_path / f"{LAUNCH_AGENT_LABEL}.plist").read_bytes()) == template
+
+
+class FakeWinreg(types.ModuleType):
+    """The few winreg calls WinregRunKey makes, over a dict of HKCU keys."""
+
+    HKEY_CURRENT_USER = 1
+    KEY_SET_VALUE = 2
+    REG_SZ = 1
+
+    def __init__(self) -> None:
+        super().__init__("winreg")
+        self.keys: dict[str, dict[str, str]] = {}
+
+    class _Key:
+        def __init__(self, values: dict[str, str]) -> None:
+            self.values = values
+
+        def __enter__(self) -> FakeWinreg._Key:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def CreateKey(self, root: int, path: str) -> FakeWinreg._Key:
+        return self._Key(self.keys.setdefault(path, {}))
+
+    def OpenKey(self, root: int, path: str, *access: int) -> FakeWinreg._Key:
+        if path not in self.keys:
+            raise FileNotFoundError(path)
+        return self._Key(self.keys[path])
+
+    def SetValueEx(self, key: FakeWinreg._Key, name: str, reserved: int, kind: int, value: str) -> None:
+        key.values[name] = value
+
+    def QueryValueEx(self, key: FakeWinreg._Key, name: str) -> tuple[str, int]:
+        if name not in key.values:
+            raise FileNotFoundError(name)
+        return key.values[name], self.REG_SZ
+
+
+def test_an_updated_version_writes_start_at_login_for_the_launcher(tmp_path, monkeypatch):
+    """versions/2 is pruned two updates later: every entry names the packaged launcher instead."""
+    launcher = tmp_path / "opt" / "gpu-provider" / "gpu-provider"
+    updated = tmp_path / "data" / "app" / "versions" / "2" / "gpu-provider"
+    for executable in (launcher, updated):
+        executable.parent.mkdir(parents=True)
+        executable.write_text("")
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    monkeypatch.setattr(sys, "executable", str(updated))
+    monkeypatch.setenv(LAUNCHER_ENV, str(launcher))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    winreg = FakeWinreg()
+    monkeypatch.setitem(sys.modules, "winreg", winreg)
+
+    for platform in ("linux", "darwin", "win32"):
+        for_platform(platform=platform).enable()
+
+    desktop = (tmp_path / "config" / "autostart" / f"{APP_ID}.desktop").read_text()
+    agent = plistlib.loads((tmp_path / "home" / "Library" / "LaunchAgents" / f"{LAUNCH_AGENT_LABEL}.plist").read_bytes())
+    assert f"Exec={launcher} --minimized\n" in desktop
+    assert agent["ProgramArguments"] == [str(launcher), "--minimized"]
+    assert winreg.keys[RUN_KEY] == {APP_ID: f"{launcher} --minimized"}
+
+
+@pytest.mark.parametrize("launcher", [None, "gone"])
+def test_without_a_launcher_the_packaged_build_names_itself(tmp_path, monkeypatch, launcher):
+    """The installer's build (no hand-over), or a launcher since removed: this executable."""
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    monkeypatch.setattr(sys, "executable", "/opt/gpu-provider/gpu-provider")
+    if launcher is None:
+        monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LAUNCHER_ENV, str(tmp_path / launcher))
+    assert default_command() == ["/opt/gpu-provider/gpu-provider", "--minimized"]

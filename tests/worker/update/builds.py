@@ -18,6 +18,12 @@ BEHAVIOURS = {
         "from worker.update import mark_hello_reached\n"
         "mark_hello_reached(Paths.under(data_dir), VERSION)"
     ),
+    "launcher": (  # a good build that records the launcher it was told about
+        "open(data_dir + '/launcher.txt', 'w').write(os.environ.get('GPU_PROVIDER_LAUNCHER', ''))\n"
+        "from worker.system.config import Paths\n"
+        "from worker.update import mark_hello_reached\n"
+        "mark_hello_reached(Paths.under(data_dir), VERSION)"
+    ),
     "crash": "sys.exit(3)",
     "hang": "open(data_dir + '/hang.pid', 'w').write(str(os.getpid())); time.sleep(60)",
 }

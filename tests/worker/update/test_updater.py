@@ -7,6 +7,7 @@ import base64
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +154,21 @@ async def test_a_good_update_is_applied_end_to_end(rig: Rig) -> None:
         "installed",
     ]
     assert rig.progress[-1].finished and rig.progress[-1].what == "update 0.2.0"
+
+
+async def test_a_packaged_build_tells_the_new_version_its_launcher(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new version writes start-at-login; it must name the installed build, not versions/X."""
+    update = rig.publish("0.2.0", "launcher")
+    packaged = tmp_path / "opt" / "gpu-provider"
+    packaged.parent.mkdir()
+    packaged.write_text("")
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    monkeypatch.setattr(sys, "executable", str(packaged))
+    monkeypatch.delenv("GPU_PROVIDER_LAUNCHER", raising=False)
+    assert await rig.updater().offer(update)
+    assert (tmp_path / "launcher.txt").read_text() == str(packaged)
 
 
 async def test_an_update_over_an_earlier_one_keeps_it_as_previous(rig: Rig) -> None:
