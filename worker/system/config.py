@@ -22,6 +22,7 @@ import os
 import secrets
 import stat
 import tempfile
+import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -40,6 +41,11 @@ NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 on Windows: an lstat stands in for 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted at a file's path never blocks the open
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 MAX_SMALL_FILE_BYTES = 1 << 20  # settings, state, status, owner and key files are a few kB
+# Windows refuses to replace a file another program has open (an antivirus scan, the indexer,
+# `gpu-provider status` reading it) with ERROR_ACCESS_DENIED, SHARING_VIOLATION or LOCK_VIOLATION;
+# such a hold lasts milliseconds, so the replace is tried again: ten tries over about a second.
+REPLACE_WAITS_S = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2)
+_SHARING_WINERRORS = frozenset({5, 32, 33})
 _Record = TypeVar("_Record", "Settings", "State")
 
 
@@ -305,10 +311,30 @@ def write_private_text(path: Path, text: str, *, durable: bool = False) -> None:
             if durable:
                 out.flush()
                 os.fsync(out.fileno())
-        os.replace(tmp, path)
+        replace_file(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def replace_file(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """`os.replace`, tried again while another program briefly holds `target` open (Windows).
+    Raises OSError naming the file when it stays held past the last try, or for any other cause."""
+    for wait_s in (*REPLACE_WAITS_S, None):
+        try:
+            os.replace(source, target)
+            return
+        except OSError as exc:
+            if not _held_by_another(exc):
+                raise
+            if wait_s is None:
+                raise OSError(exc.errno, f"another program keeps {target} open, so GPU Provider could not "
+                              f"update it ({exc.strerror}); it tries again later", str(target)) from exc
+            time.sleep(wait_s)
+
+
+def _held_by_another(exc: OSError) -> bool:
+    return isinstance(exc, PermissionError) or getattr(exc, "winerror", None) in _SHARING_WINERRORS
 
 
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
@@ -323,7 +349,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         aside = path.with_suffix(path.suffix + ".damaged")
         log.warning("could not read %s (%s); moved it to %s and started from defaults", path, exc, aside)
-        path.replace(aside)
+        replace_file(path, aside)
         return None
     if not isinstance(data, dict):
         log.warning("%s does not hold a JSON object; ignoring it", path)
