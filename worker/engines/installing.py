@@ -22,6 +22,7 @@ from worker.engines.releases import Releases
 ProgressCallback = Callable[[DownloadProgress], None]
 Accelerator = Literal["cuda", "metal", "cpu"]  # what an engine's build runs on: CUDA, Apple's Metal, the CPU
 WSL_ENGINES_DIR = PurePosixPath(".local/share/gpu-provider/engines")  # under the distro user's home
+MARKER = ".gpu-provider-installed"  # in an install's folder once it finished and was checked: its version
 
 
 class InstallError(Exception):
@@ -108,10 +109,10 @@ def newest_installed(engines_dir: Path, engine: str, allowed: Collection[str],
         version = folder.name.removeprefix(f"{engine}-")
         if folder.is_dir() and version in allowed and finished(folder):
             versions.append(version)
-    return max(versions, key=_version_key, default=None)
+    return max(versions, key=version_key, default=None)
 
 
-def _version_key(version: str) -> tuple[int, ...]:
+def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(n) for n in re.findall(r"\d+", version))
 
 

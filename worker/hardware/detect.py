@@ -8,7 +8,7 @@ through the same code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.system.config import Settings
@@ -22,12 +22,13 @@ if TYPE_CHECKING:
 
 class EngineFinder(Protocol):
     """The engines' part of detection (`worker.engines.finding.Finder`): which engines this
-    machine has, and whether one of them that serves NVIDIA cards on Linux runs on a group (on
-    Windows: installed inside WSL2), which is what names the runtime `native` or `wsl2`."""
+    machine has (on Windows, those the app installed inside `wsl_distro` too), and whether an
+    engine that serves NVIDIA cards on Linux runs on a group, installed or not yet, which is what
+    names the runtime `native` or `wsl2`."""
 
-    def find(self, system: str) -> dict[str, EngineInstall]: ...
+    def find(self, system: str, wsl_distro: str | None = None) -> dict[str, EngineInstall]: ...
 
-    def drives(self, group: GpuGroup, found: Mapping[str, EngineInstall], system: str) -> bool: ...
+    def drives(self, group: GpuGroup) -> bool: ...
 
 
 def usable_mib(free_mib: int, settings: Settings) -> int:
@@ -58,15 +59,15 @@ def detect(
     if nvml is None:
         nvml = PynvmlSource(library=find_wsl_nvml_library() if facts.is_wsl2 else None)
     reading = read_nvidia(nvml) if facts.apple is None else NvidiaReading()
-    found = engines.find(facts.system)
-    return build_machine(facts, reading, found, settings, lambda group: engines.drives(group, found, facts.system))
+    found = engines.find(facts.system, facts.wsl_distro)
+    return build_machine(facts, reading, found, settings, engines.drives)
 
 
 def build_machine(
     facts: HostFacts, reading: NvidiaReading, engines: dict[str, EngineInstall], settings: Settings,
     drives: Callable[[GpuGroup], bool],
 ) -> Machine:
-    """`drives`: whether an engine found here runs on a group (`EngineFinder.drives`)."""
+    """`drives`: whether a Linux engine runs on a group (`EngineFinder.drives`)."""
     lend = None if settings.gpus_to_lend is None else set(settings.gpus_to_lend)
     gpus = tuple(_gpu(r, settings, lend) for r in reading.gpus)
     groups = group_gpus(gpus)
@@ -96,6 +97,7 @@ def build_machine(
         engine_ram_mib=facts.engine_ram_mib,
         engine_ram_usable_mib=None if facts.engine_ram_free_mib is None else usable_mib(facts.engine_ram_free_mib,
                                                                                       settings),
+        wsl_distro=facts.wsl_distro if facts.system == "Windows" else None,
     )
 
 
@@ -165,14 +167,14 @@ def _group(members: list[Gpu]) -> GpuGroup:
 
 
 def _runtime(facts: HostFacts, groups: tuple[GpuGroup, ...], drives: Callable[[GpuGroup], bool]) -> Runtime:
-    """Named for where an engine runs: an NVIDIA group that an engine found drives makes `native`
-    (`wsl2` under WSL2, or on Windows where that engine is inside WSL2); else `apple-silicon`,
-    `windows` with a card lent, or `cpu`."""
+    """Named for where an engine runs: an NVIDIA group that a Linux engine drives makes `native`
+    (`wsl2` under WSL2, or on Windows with a WSL2 distribution to install it into, whether or not
+    it is installed yet); else `apple-silicon`, `windows` with a card lent, or `cpu`."""
     if facts.apple is not None:
         return "apple-silicon"
     linux_gpu = any(drives(g) for g in groups)
     if facts.system == "Windows":
-        return "wsl2" if linux_gpu else "windows" if groups else "cpu"
+        return "wsl2" if linux_gpu and facts.wsl_distro else "windows" if groups else "cpu"
     if linux_gpu:
         return "wsl2" if facts.is_wsl2 else "native"
     return "cpu"

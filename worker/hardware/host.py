@@ -16,7 +16,7 @@ from typing import Callable
 
 import psutil
 
-from worker.system import children
+from worker.system import children, wsl
 from worker.system.secrets import ENV_VAR as TOKEN_VARIABLE
 
 MIB = 1024 * 1024
@@ -48,6 +48,9 @@ class HostFacts:
     # the cgroup's limit): total and free now; None where not read (a recorded machine).
     engine_ram_mib: int | None = None
     engine_ram_free_mib: int | None = None
+    # On Windows, the WSL2 distribution engines that run only on Linux go into (`wsl.list_distros`:
+    # the default usable one); None elsewhere, or where WSL2 has none.
+    wsl_distro: str | None = None
 
     @property
     def os(self) -> str:
@@ -75,11 +78,21 @@ class HostFacts:
             apple=AppleFacts(**apple) if isinstance(apple, dict) else None,
             engine_ram_mib=_optional_int(data.get("engine_ram_mib")),
             engine_ram_free_mib=_optional_int(data.get("engine_ram_free_mib")),
+            wsl_distro=_optional_distro(data.get("wsl_distro")),
         )
 
 
 def _optional_int(value: object) -> int | None:
     return None if value is None else int(value)  # type: ignore[call-overload]
+
+
+def _optional_distro(value: object) -> str | None:
+    """A recorded distribution name, only where it is one."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not wsl.DISTRO_NAME.fullmatch(value):
+        raise ValueError(f"not a WSL distribution name: {str(value)[:80]!r}")
+    return value
 
 
 def run_quietly(argv: list[str], timeout_s: float) -> str | None:
@@ -93,7 +106,9 @@ def run_quietly(argv: list[str], timeout_s: float) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def read_host(run: Runner = run_quietly) -> HostFacts:
+def read_host(run: Runner = run_quietly,
+              distros: Callable[[], tuple[wsl.Distro, ...]] = wsl.list_distros) -> HostFacts:
+    """This machine's facts; on Windows, `distros` lists WSL2's (boots its VM when stopped)."""
     system = platform.system()
     machine = platform.machine()
     apple = _read_apple(run) if system == "Darwin" and machine == "arm64" else None
@@ -108,6 +123,7 @@ def read_host(run: Runner = run_quietly) -> HostFacts:
         apple=apple,
         engine_ram_mib=engine_ram // MIB,
         engine_ram_free_mib=engine_ram_free // MIB,
+        wsl_distro=next((d.name for d in distros()), None) if system == "Windows" else None,
     )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from worker.system.wsl import DISTRO_NAME
+
 if TYPE_CHECKING:
     from worker.contract import protocol
 
@@ -95,6 +97,10 @@ class Machine:
     # None for a machine read back from `detect` JSON.
     engine_ram_mib: int | None = None
     engine_ram_usable_mib: int | None = None
+    # On Windows, the WSL2 distribution where engines that run only on Linux are installed and
+    # started; None elsewhere. Shown by `detect` (in `platform`, which `hello` leaves out: the
+    # coordinator has no use for a name the user gave) and read back from a `--hardware` file.
+    wsl_distro: str | None = None
 
     def to_detect_json(self) -> dict[str, Any]:
         """The `platform`, `hardware` and `engines` parts of `hello`, as plain JSON.
@@ -102,8 +108,11 @@ class Machine:
         Built by hand rather than through the pydantic models so `detect` stays fast; the tests
         validate every fixture's output through `protocol.PlatformInfo`/`HardwareInfo`.
         """
+        platform: dict[str, Any] = {"os": self.os, "runtime": self.runtime, "arch": self.arch}
+        if self.wsl_distro is not None:
+            platform["wsl_distro"] = self.wsl_distro
         return {
-            "platform": {"os": self.os, "runtime": self.runtime, "arch": self.arch},
+            "platform": platform,
             "hardware": {
                 "gpus": [_gpu_json(gpu) for gpu in self.gpus],
                 "groups": [
@@ -135,6 +144,7 @@ class Machine:
         engines = data.get("engines") or {}
         if not isinstance(engines, dict):
             raise ValueError("'engines' must map engine names to versions")
+        wsl_distro = _wsl_distro(data["platform"], platform.os)
         usable = {i: g.usable_mib_per_gpu for g in hardware.groups for i in g.gpu_indices}
         by_index = {gpu.index: gpu for gpu in hardware.gpus}
         return cls(
@@ -158,7 +168,18 @@ class Machine:
             effective_vram_mib=hardware.effective_vram_mib,
             unified_memory=hardware.unified_memory,
             engines={str(k): EngineInstall(version=None if v is None else str(v)) for k, v in engines.items()},
+            wsl_distro=wsl_distro,
         )
+
+
+def _wsl_distro(platform: dict[str, Any], os: str) -> str | None:
+    """`platform.wsl_distro` of a Windows machine, when it is a distribution's name."""
+    name = platform.get("wsl_distro")
+    if name is None:
+        return None
+    if os != "windows" or not isinstance(name, str) or not DISTRO_NAME.fullmatch(name):
+        raise ValueError("'platform.wsl_distro' must name a WSL2 distribution, on a Windows machine only")
+    return name
 
 
 def _gpu_json(gpu: Gpu) -> dict[str, Any]:

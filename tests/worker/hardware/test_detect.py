@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import time
 from dataclasses import replace
 
@@ -11,7 +12,8 @@ from worker.contract import protocol
 from worker.system.config import Settings
 from worker.hardware import HostFacts, Machine, ReplaySource, detect, load_reading, usable_mib
 from worker.engines.finding import Finder
-from worker.hardware.host import AppleFacts, _read_apple
+from worker.hardware.host import AppleFacts, _read_apple, read_host
+from worker.system import wsl
 
 # fixture: (runtime, groups as (indices, usable per GPU, p2p), effective VRAM)
 EXPECTED = {
@@ -151,8 +153,14 @@ def _windows_host() -> HostFacts:
     return replace(host, system="Windows", machine="AMD64", kernel_release="10.0.26100")
 
 
-@pytest.mark.parametrize(("wsl_answer", "runtime"), [("0.33.0\n", "wsl2"), (None, "windows")])
-def test_windows_runtime_depends_on_vllm_inside_wsl(wsl_answer, runtime):
+def _windows_host_with(distro: str | None) -> HostFacts:
+    return replace(_windows_host(), wsl_distro=distro)
+
+
+@pytest.mark.parametrize(("wsl_answer", "version"), [('{"vllm": ["0.33.0"]}\n', "0.33.0"), (None, None)])
+def test_windows_with_a_wsl2_distribution_is_wsl2_whether_or_not_vllm_is_installed(wsl_answer, version):
+    """The contract's `wsl2`: an NVIDIA card an engine drives and a WSL2 distribution to install
+    it into; the machine says which distribution."""
     asked: list[list[str]] = []
 
     def probe(argv, timeout_s, env=None):
@@ -160,11 +168,42 @@ def test_windows_runtime_depends_on_vllm_inside_wsl(wsl_answer, runtime):
         return wsl_answer if argv[0] == "wsl.exe" else None
 
     _, nvml = load_reading(NVML_FIXTURES / "rtx4090.json")
-    machine = detect(Settings(), Finder({}, probe), host=_windows_host(), nvml=nvml)
-    assert machine.runtime == runtime
+    machine = detect(Settings(), Finder({}, probe), host=_windows_host_with("Ubuntu"), nvml=nvml)
+    assert machine.runtime == "wsl2" and machine.wsl_distro == "Ubuntu"
     assert machine.os == "windows" and machine.arch == "x86_64"
-    assert machine.engines["vllm"].version == (wsl_answer.strip() if wsl_answer else None)
-    assert asked[0][0] == "wsl.exe"
+    assert machine.engines["vllm"].version == version
+    assert asked[0][:6] == ["wsl.exe", "-d", "Ubuntu", "--cd", "~", "-e"]
+    assert machine.to_detect_json()["platform"]["wsl_distro"] == "Ubuntu"
+    assert Machine.from_detect_json(machine.to_detect_json()).wsl_distro == "Ubuntu"
+
+
+def test_windows_without_a_wsl2_distribution_is_windows_and_asks_nothing_of_wsl():
+    asked: list[list[str]] = []
+    _, nvml = load_reading(NVML_FIXTURES / "rtx4090.json")
+    machine = detect(Settings(), Finder({}, lambda argv, *_: asked.append(argv)), host=_windows_host_with(None),
+                     nvml=nvml)
+    assert machine.runtime == "windows" and machine.wsl_distro is None and asked == []
+    assert "wsl_distro" not in machine.to_detect_json()["platform"]
+
+
+def test_the_host_reads_the_default_usable_distribution_on_windows_only(monkeypatch):
+    listed = (wsl.Distro("Debian", "Stopped", 2, True), wsl.Distro("Ubuntu", "Running", 2))
+    monkeypatch.setattr(platform, "system", lambda: "Windows")
+    assert read_host(lambda argv, timeout: None, distros=lambda: listed).wsl_distro == "Debian"
+    assert read_host(lambda argv, timeout: None, distros=lambda: ()).wsl_distro is None
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    assert read_host(lambda argv, timeout: None, distros=lambda: listed).wsl_distro is None
+
+
+@pytest.mark.parametrize("platform_json", [
+    {"os": "linux", "runtime": "native", "arch": "x86_64", "wsl_distro": "Ubuntu"},  # not on Linux
+    {"os": "windows", "runtime": "wsl2", "arch": "x86_64", "wsl_distro": "$(calc)"},
+    {"os": "windows", "runtime": "wsl2", "arch": "x86_64", "wsl_distro": 3},
+])
+def test_a_hardware_file_names_a_distribution_only_of_a_windows_machine(platform_json):
+    data = replay("rtx4090.json").to_detect_json() | {"platform": platform_json}
+    with pytest.raises(ValueError):
+        Machine.from_detect_json(data)
 
 
 def test_windows_without_gpu_is_cpu():

@@ -1,6 +1,6 @@
-"""Finding SGLang on this machine: a venv (or its Python) named with `--engine-bin`, or, on
-Windows, inside WSL2 (the only place it runs there). Package metadata only; a bounded subprocess
-only for the WSL2 probe.
+"""Finding SGLang on this machine: a venv (or its Python) named with `--engine-bin`. Package
+metadata only. On Windows it runs only inside WSL2, where `engines.finding` looks for the app's own
+installs instead.
 """
 
 from __future__ import annotations
@@ -9,21 +9,16 @@ import re
 from pathlib import Path
 
 from worker.engines.base import VersionRunner
-from worker.hardware.model import IN_WSL, EngineInstall
+from worker.hardware.model import EngineInstall
 
 _DIST_INFO = re.compile(r"^sglang-(\d[^-]*)\.dist-info$")
-_PLAIN_VERSION = re.compile(r"(\d+\.\d+\.\d+\S*)")
-WSL_PROBE = ["wsl.exe", "-e", "python3", "-c", "import importlib.metadata as m; print(m.version('sglang'))"]
 
 
 def find_sglang(system: str, where: str | None, run: VersionRunner) -> EngineInstall:
-    """SGLang in the venv at `where`; inside WSL2 on Windows; else not found, as the app installs
-    it into a venv of its own rather than into its own Python."""
+    """SGLang in the venv at `where`; else not found, as the app installs it into a venv of its own
+    rather than into its own Python."""
     if where:
         return _sglang_at(Path(where))
-    if system == "Windows":
-        match = _PLAIN_VERSION.search(run(WSL_PROBE, 5.0, None) or "")
-        return EngineInstall(version=match.group(1) if match else None, path=IN_WSL if match else None)
     return EngineInstall(version=None)
 
 

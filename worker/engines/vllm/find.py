@@ -1,8 +1,9 @@
-"""Finding vLLM on this machine: a venv or executable named with `--engine-bin`, the app's own
-Python, or, on Windows, inside WSL2 (the only place it runs there).
+"""Finding vLLM on this machine: a venv or executable named with `--engine-bin`, or the app's own
+Python. On Windows it runs only inside WSL2, where `engines.finding` looks for the app's own
+installs instead.
 
 Fast on the common path: package metadata first; a bounded subprocess only for an executable
-that is there, or for the WSL2 probe.
+that is there.
 """
 
 from __future__ import annotations
@@ -12,20 +13,16 @@ import re
 from pathlib import Path
 
 from worker.engines.base import VersionRunner
-from worker.hardware.model import IN_WSL, EngineInstall
+from worker.hardware.model import EngineInstall
 
 _DIST_INFO = re.compile(r"^vllm-(\d[^-]*)\.dist-info$")
 _PLAIN_VERSION = re.compile(r"(\d+\.\d+\.\d+\S*)")
-WSL_PROBE = ["wsl.exe", "-e", "python3", "-c", "import importlib.metadata as m; print(m.version('vllm'))"]
 
 
 def find_vllm(system: str, where: str | None, run: VersionRunner) -> EngineInstall:
-    """vLLM runs on Linux only: on Windows it can only be inside WSL2, so ask there (bounded)."""
+    """vLLM at `where`, else in the app's own Python (`system`: the same on every Linux-like one)."""
     if where:
         return _vllm_at(Path(where), run)
-    if system == "Windows":
-        match = _PLAIN_VERSION.search(run(WSL_PROBE, 5.0, None) or "")
-        return EngineInstall(version=match.group(1) if match else None, path=IN_WSL if match else None)
     try:
         return EngineInstall(version=importlib.metadata.version("vllm"))
     except importlib.metadata.PackageNotFoundError:

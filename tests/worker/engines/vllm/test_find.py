@@ -1,12 +1,11 @@
-"""Finding vLLM: a venv's metadata (never run), an executable elsewhere asked for its version,
-and on Windows a bounded probe inside WSL2."""
+"""Finding vLLM: a venv's metadata (never run), an executable elsewhere asked for its version.
+On Windows it is looked for inside WSL2 by `engines.finding` (tests/worker/engines/test_finding.py)."""
 
 from __future__ import annotations
 
 from tests.worker.engines.probes import script
 from worker.engines.finding import run_for_version
-from worker.engines.vllm.find import WSL_PROBE, find_vllm
-from worker.hardware import IN_WSL
+from worker.engines.vllm.find import find_vllm
 
 
 def test_vllm_in_a_given_venv_is_read_from_its_metadata(tmp_path):
@@ -24,15 +23,3 @@ def test_vllm_executable_elsewhere_is_asked_for_its_version(tmp_path):
     vllm = script(tmp_path / "vllm", 'echo "0.11.0"\n')
     found = find_vllm("Linux", str(vllm), run_for_version)
     assert (found.version, found.path) == ("0.11.0", str(vllm))
-
-
-def test_on_windows_vllm_is_looked_for_inside_wsl2_only():
-    asked: list[tuple[list[str], float]] = []
-
-    def probe(argv: list[str], timeout_s: float, env: object = None) -> str | None:
-        asked.append((argv, timeout_s))
-        return "0.33.0\n"
-
-    found = find_vllm("Windows", None, probe)
-    assert (found.version, found.path) == ("0.33.0", IN_WSL) and asked == [(WSL_PROBE, 5.0)]
-    assert find_vllm("Windows", None, lambda *_: None).path is None
