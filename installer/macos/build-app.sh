@@ -80,7 +80,13 @@ fi
 
 # The self-update archive holds the (signed, stapled) .app itself, so an updated install keeps
 # its Info.plist and signature: the updater runs "GPU Provider.app/Contents/MacOS/gpu-provider".
+# Without COPYFILE_DISABLE and --no-mac-metadata, bsdtar stores extended attributes as `._*`
+# AppleDouble files, which would land inside the bundle and break its seal (the updater refuses
+# such an archive).
 ARCHIVE="$DIST/$BASE.tar.gz"
-tar -C "$DIST" -czf "$ARCHIVE" "$APP_NAME.app"
+COPYFILE_DISABLE=1 tar --no-mac-metadata -C "$DIST" -czf "$ARCHIVE" "$APP_NAME.app"
+if tar -tzf "$ARCHIVE" | grep -Eq '(^|/)(\._|__MACOSX/)'; then
+    fail "$ARCHIVE holds AppleDouble (._*) files: the updater would refuse it"
+fi
 echo "update archive: $ARCHIVE (sha256 $(shasum -a 256 "$ARCHIVE" | cut -d' ' -f1))" >&2
 echo "$DMG"

@@ -76,6 +76,41 @@ def test_build_spec_is_python_and_makes_the_bundle_tray_only() -> None:
     assert (INSTALLER / "entry.py").is_file()
 
 
+def app_console_flag(windows: bool, macos: bool) -> bool:
+    """The spec's `console=` for the app executable, evaluated for one platform."""
+    tree = ast.parse((REPO / "build.spec").read_text())
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "executable"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value == "gpu-provider"
+    ]
+    assert len(calls) == 1
+    (console,) = [k.value for k in calls[0].keywords if k.arg == "console"]
+    expression = ast.Expression(console)
+    value = eval(compile(expression, "build.spec", "eval"), {"WINDOWS": windows, "MACOS": macos})  # noqa: S307
+    assert isinstance(value, bool)
+    return value
+
+
+def test_the_app_is_windowed_on_windows_and_macos() -> None:
+    """A console .app bundle may not launch at all (pyinstaller#5154); Linux keeps one executable."""
+    assert app_console_flag(windows=False, macos=True) is False
+    assert app_console_flag(windows=True, macos=False) is False
+    assert app_console_flag(windows=False, macos=False) is True
+
+
+def test_the_macos_update_archive_is_packed_without_apple_double_files() -> None:
+    script = (INSTALLER / "macos" / "build-app.sh").read_text()
+    packing = [line for line in script.splitlines() if '-czf "$ARCHIVE"' in line]
+    assert len(packing) == 1
+    assert packing[0].startswith("COPYFILE_DISABLE=1 tar --no-mac-metadata ")
+
+
 def test_the_desktop_entry_runs_the_command_with_the_installed_icon() -> None:
     entry = configparser.ConfigParser(interpolation=None)
     entry.optionxform = str  # type: ignore[assignment,method-assign]

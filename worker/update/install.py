@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -25,7 +26,7 @@ import time
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from worker.system import children
@@ -44,6 +45,8 @@ EXECUTABLE_NAME = {
 }.get(sys.platform, "gpu-provider")
 HANDED_OFF_ENV = "GPU_PROVIDER_HANDED_OFF"
 HELLO_MARKER_NAME = "update-hello.json"
+MACOS_METADATA_FOLDER = "__MACOSX"  # where the Finder's zip keeps AppleDouble files
+CODESIGN_TIMEOUT_S = 300.0  # --deep hashes every file of the bundle: hundreds of MB
 
 
 def default_pointer_kind() -> PointerKind:
@@ -184,7 +187,8 @@ def unpack(archive: Path, install: InstallRoot, version: str) -> Path:
     """Unpack a verified archive into versions/<version> (blocking: run it in a thread).
 
     The archive is a .tar.gz or .zip of a one-folder build, with the executable at its top or
-    inside a single top-level folder. Unpacking happens in staging and ends with one rename.
+    inside a single top-level folder. Unpacking happens in staging and ends with one rename; a
+    macOS `.app` must pass `codesign --verify` before that rename.
     """
     install.staging_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(
@@ -193,6 +197,7 @@ def unpack(archive: Path, install: InstallRoot, version: str) -> Path:
     try:
         _extract(archive, scratch)
         build = _build_folder(scratch, install.executable_name, version)
+        _verify_app_bundle(build, install.executable_name)
         target = install.version_dir(version)
         if target.exists():
             if install.current() == target.name:
@@ -208,6 +213,7 @@ def unpack(archive: Path, install: InstallRoot, version: str) -> Path:
 def _extract(archive: Path, into: Path) -> None:
     if tarfile.is_tarfile(archive):
         with tarfile.open(archive) as tar:
+            _refuse_mac_metadata(tar.getnames())
             try:
                 tar.extractall(into, filter="data")
             except tarfile.FilterError as exc:
@@ -216,9 +222,39 @@ def _extract(archive: Path, into: Path) -> None:
                 ) from None
     elif zipfile.is_zipfile(archive):
         with zipfile.ZipFile(archive) as zipped:
+            _refuse_mac_metadata(zipped.namelist())
             zipped.extractall(into)
     else:
         raise UpdateRefused("the update archive is neither a .tar.gz nor a .zip")
+
+
+def _refuse_mac_metadata(names: Sequence[str]) -> None:
+    """AppleDouble files (`._x`, `__MACOSX/`) are what a Mac's tar or zip adds for extended
+    attributes; unpacked as files inside a bundle they break its signature seal."""
+    for name in names:
+        parts = PurePosixPath(name).parts
+        if any(part.startswith("._") or part == MACOS_METADATA_FOLDER for part in parts):
+            raise UpdateRefused(
+                f"the update archive holds macOS metadata files ({name}); they would break the "
+                "app's signature, so the update is not installed (the archive must be packed "
+                "with COPYFILE_DISABLE=1 and --no-mac-metadata)"
+            )
+
+
+def _verify_app_bundle(build: Path, executable_name: str) -> None:
+    """On macOS, the unpacked `.app` must carry an intact signature before it can become
+    current: a bundle changed after signing would be refused by Gatekeeper or the keychain."""
+    bundle = executable_name.split("/", 1)[0]
+    if sys.platform != "darwin" or not bundle.endswith(".app"):
+        return
+    argv = ["codesign", "--verify", "--deep", "--strict", str(build / bundle)]
+    try:
+        result = children.run(argv, timeout_s=CODESIGN_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UpdateRefused(f"the update's signature could not be checked (codesign: {exc})") from None
+    if result.returncode != 0:
+        why = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        raise UpdateRefused(f"the update's app signature is not valid, so it is not installed (codesign: {why})")
 
 
 def _build_folder(scratch: Path, executable_name: str, version: str) -> Path:

@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.worker.update import builds
+from worker.system import children
 from worker.system.config import Paths
 from worker.update.install import (
     InstallRoot,
@@ -88,6 +90,86 @@ def test_unpack_refuses_what_is_not_an_archive(
 ) -> None:
     with pytest.raises(UpdateRefused, match="neither"):
         unpacked(install, tmp_path, "0.2.0", b"just bytes")
+
+
+MAC_EXECUTABLE = "GPU Provider.app/Contents/MacOS/gpu-provider"
+
+
+def tar_of(*names: str) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = 1, 0o755
+            tar.addfile(info, io.BytesIO(b"x"))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    ["GPU Provider.app/Contents/MacOS/._gpu-provider", "._GPU Provider.app", "./GPU Provider.app/Contents/._Info.plist"],
+)
+def test_unpack_refuses_apple_double_members(tmp_path: Path, metadata: str) -> None:
+    """A Mac's tar turns extended attributes into `._x` files, which break the bundle's seal."""
+    install = InstallRoot(tmp_path / "app", executable_name=MAC_EXECUTABLE)
+    with pytest.raises(UpdateRefused, match="macOS metadata files"):
+        unpacked(install, tmp_path, "0.2.0", tar_of(MAC_EXECUTABLE, metadata))
+    assert install.installed() == []
+
+
+def test_unpack_refuses_a_zip_with_a_macosx_folder(install: InstallRoot, tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("gpu-provider", builds.script("0.2.0"))
+        archive.writestr("__MACOSX/._gpu-provider", b"\x00\x05\x16\x07")
+    with pytest.raises(UpdateRefused, match=r"macOS metadata files \(__MACOSX/"):
+        unpacked(install, tmp_path, "0.2.0", buffer.getvalue())
+
+
+class Codesign:
+    """`subprocess.run` under `worker.system.children`, answering codesign with an exit status."""
+
+    def __init__(self, returncode: int, stderr: str = "") -> None:
+        self.returncode, self.stderr = returncode, stderr
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: list[str], **options: object) -> subprocess.CompletedProcess[str]:
+        self.calls.append(argv)
+        return subprocess.CompletedProcess(argv, self.returncode, "", self.stderr)
+
+
+def on_a_mac(monkeypatch: pytest.MonkeyPatch, codesign: Codesign) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(children.subprocess, "run", codesign)
+
+
+def test_a_mac_bundle_is_verified_by_codesign_before_it_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    install = InstallRoot(tmp_path / "app", executable_name=MAC_EXECUTABLE)
+    codesign = Codesign(0)
+    on_a_mac(monkeypatch, codesign)
+    folder = unpacked(install, tmp_path, "0.2.0", tar_of(MAC_EXECUTABLE))
+    assert (folder / MAC_EXECUTABLE).is_file()
+    assert len(codesign.calls) == 1
+    *command, bundle = codesign.calls[0]
+    assert command == ["codesign", "--verify", "--deep", "--strict"]
+    assert bundle.startswith(str(install.staging_dir)) and bundle.endswith("/GPU Provider.app")
+
+
+def test_a_bundle_that_fails_codesign_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    install = InstallRoot(tmp_path / "app", executable_name=MAC_EXECUTABLE)
+    on_a_mac(monkeypatch, Codesign(1, "GPU Provider.app: a sealed resource is missing or invalid\n"))
+    with pytest.raises(UpdateRefused, match="signature is not valid.*sealed resource is missing"):
+        unpacked(install, tmp_path, "0.2.0", tar_of(MAC_EXECUTABLE))
+    assert install.installed() == [] and list(install.staging_dir.iterdir()) == []
+
+
+def test_no_codesign_runs_off_macos(install: InstallRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    codesign = Codesign(1)
+    monkeypatch.setattr(children.subprocess, "run", codesign)
+    unpacked(install, tmp_path, "0.2.0")
+    assert codesign.calls == []
 
 
 def test_switching_keeps_the_previous_version_and_rollback_restores_it(
