@@ -8,15 +8,19 @@ is the player's). Points are kept in memory each second and written every few (`
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from worker.measure.gpu_watch import GpuWatch
 from worker.measure.ledger import Books
 from worker.measure.metering import Metering
+from worker.node.failures import OncePerKind
 from worker.node.view import chart_points
 from worker.relay.forward import EngineTarget
 from worker.system.config import Settings
+
+log = logging.getLogger(__name__)
 
 TICK_S = 1.0
 
@@ -36,13 +40,24 @@ class Sampler:
         self._in_flight = in_flight
         self._settings = settings
         self._clock = clock
+        self._failures = OncePerKind(log)
 
     async def run(self, each_second: Callable[[], Awaitable[None]], tick_s: float = TICK_S) -> None:
-        """Sample, then the node's own second (`each_second`: a timed pause's end, heartbeats), forever."""
+        """Sample, then the node's own second (`each_second`: a timed pause's end, heartbeats),
+        forever. A second that fails is logged (once per kind) and the next one runs: status
+        messages, energy, charts and a timed pause's end never stop for one bad second."""
         while True:
             await asyncio.sleep(tick_s)
-            await self.sample()
-            await each_second()
+            await self._survive("sampling the GPUs and engines", self.sample)
+            await self._survive("the node's second", each_second)
+
+    async def _survive(self, where: str, step: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await step()
+        except Exception as exc:
+            self._failures.failed(where, exc)
+        else:
+            self._failures.worked(where)
 
     async def sample(self) -> None:
         """One second's telemetry, energy, engine /metrics and chart points."""

@@ -9,6 +9,7 @@ mode, and `status_table` formats it for people. Neither follows a link in the da
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -20,6 +21,9 @@ import psutil
 from worker import __version__
 from worker.system.config import Paths, read_local_endpoint, read_private_text, write_private_text
 from worker.contract.events import NodeSnapshot
+from worker.node.failures import OncePerKind
+
+log = logging.getLogger(__name__)
 
 STATUS_FILE_S = 10.0  # `gpu-provider status` reads at most this stale a clock
 
@@ -35,6 +39,7 @@ class StatusFile:
         self._monotonic = monotonic
         self._written: NodeSnapshot | None = None  # without its clock
         self._written_at = float("-inf")
+        self._failures = OncePerKind(log)
 
     def due(self, snap: NodeSnapshot | None) -> bool:
         """Rewrite when more than the clock changed, else every `STATUS_FILE_S`."""
@@ -48,11 +53,19 @@ class StatusFile:
 
     def write(self, snap: NodeSnapshot | None) -> None:
         """0600, like every file the app writes, and replaced whole (a reader never sees half); a
-        link planted at its path is replaced, never written through."""
+        link planted at its path is replaced, never written through. A write that fails (a file
+        another program keeps open on Windows) is logged once and tried again at the next tick:
+        the file is only what `gpu-provider status` shows, never a reason to stop the node."""
         if snap is None or not self._owned():
             return
         data = {"pid": os.getpid(), "version": __version__, "snapshot": asdict(snap)}
-        write_private_text(self._path, json.dumps(data, default=str))
+        try:
+            write_private_text(self._path, json.dumps(data, default=str))
+        except OSError as exc:
+            self._written, self._written_at = None, float("-inf")  # due again at the next tick
+            self._failures.failed(f"writing {self._path}", exc)
+            return
+        self._failures.worked(f"writing {self._path}")
 
     def remove(self) -> None:
         """The node stopped: no file says it runs (unless the folder is another version's now)."""

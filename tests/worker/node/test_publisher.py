@@ -4,13 +4,16 @@ downloads and notices."""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 from pydantic import BaseModel
 
 from worker.contract import protocol
-from worker.system.config import Paths
+from worker.system.config import REPLACE_WAITS_S, Paths
 from worker.contract.events import DownloadProgress, NodeSnapshot
 from worker.node.publisher import NOTICES_KEPT, Publisher
 from worker.node.status import StatusFile, read_status
@@ -74,6 +77,28 @@ async def test_each_tick_publishes_and_writes_the_status_file_when_due(tmp_path:
     await node.publisher.tick(heartbeat=False)
     await node.publisher.tick(heartbeat=True)
     assert len(node.sent) == 2 and len(seen) == 3
+    data = read_status(node.paths)
+    assert data is not None and data["snapshot"]["node_id"] == "n-1"
+
+
+async def test_a_status_file_held_open_neither_stops_the_ticks_nor_stays_unwritten(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = Node(tmp_path)
+    real = os.replace
+    tries: list[str] = []
+
+    def held_open(source: str, target: str) -> None:  # as Windows refuses it while a reader has it open
+        tries.append(target)
+        if len(tries) <= len(REPLACE_WAITS_S) + 4:  # the first tick's every try, then some of the second's
+            raise PermissionError(errno.EACCES, "Access is denied")
+        real(source, target)
+
+    monkeypatch.setattr(os, "replace", held_open)
+    await node.publisher.tick(heartbeat=True)
+    assert read_status(node.paths) is None and len(node.sent) == 1
+    await node.publisher.tick(heartbeat=True)  # due again at once: the last write did not happen
+    await node.publisher.tick(heartbeat=True)
+    assert len(node.sent) == 3
     data = read_status(node.paths)
     assert data is not None and data["snapshot"]["node_id"] == "n-1"
 

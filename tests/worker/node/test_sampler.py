@@ -4,6 +4,7 @@ module as the driver answers it), the ledger a real one on disk."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,25 @@ async def test_run_samples_then_hands_each_second_to_the_node(rig: Rig) -> None:
     with pytest.raises(asyncio.CancelledError):
         await rig.sampler.run(each_second, tick_s=0.001)
     assert seconds == [1, 2, 3]
+
+
+async def test_a_second_that_fails_is_logged_once_per_kind_and_the_next_one_runs(
+        rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    seconds: list[int] = []
+
+    async def each_second() -> None:
+        seconds.append(len(seconds) + 1)
+        if len(seconds) in (1, 2, 3):
+            raise PermissionError(13, "Access is denied", "status.json")  # a file Windows keeps locked
+        if len(seconds) == 4:
+            raise RuntimeError("a bug in one second")
+        if len(seconds) == 6:
+            raise asyncio.CancelledError
+
+    with caplog.at_level(logging.DEBUG, logger="worker.node.sampler"), pytest.raises(asyncio.CancelledError):
+        await rig.sampler.run(each_second, tick_s=0.001)
+    assert seconds == [1, 2, 3, 4, 5, 6]
+    assert len(rig.books.chart("gpu0.power_w", 0.0)) == 6  # sampling went on through the failures
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.exc_info[0] if r.exc_info else None for r in errors] == [PermissionError, RuntimeError]
+    assert any("works again" in r.getMessage() for r in caplog.records)
