@@ -1,10 +1,11 @@
-"""llama.cpp as a release build for this platform: chosen from a manifest, hash-checked, unpacked.
+"""llama.cpp as a release build for this platform: chosen from the pinned assets, hash-checked, unpacked.
 
-The manifest is a release's list of assets with their sha256 — read from GitHub's release API
-(which publishes a `digest` per asset), or any server that answers the same JSON, so the URL is
-configurable and the tests serve their own. Only assets this app pins (`releases.py`) are used,
-and each is checked against the pinned sha256 and size: the release page's own digest must agree
-with the pin, but is never the only check. Nothing is unpacked that was not checked.
+Only assets this app pins (`releases.py`) are used, each downloaded from its address on the
+release (`RELEASE_DOWNLOAD`, built from the pinned name: no GitHub API call, whose unauthenticated
+limit is 60 an hour per address) and checked against its pinned sha256 and size. Only the assets
+this machine takes are downloaded or checked: a pin of another platform cannot stop this install.
+Nothing is unpacked that was not checked, and on a Mac nothing is put in place that this macOS
+cannot start (`macho.py`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-import httpx
+from typing import Literal
 
 from worker.contract.events import Problem
 from worker.engines.installing import (
@@ -34,15 +33,19 @@ from worker.engines.installing import (
     none_shipped,
     newest_installed,
 )
+from worker.engines.llamacpp import macho
 from worker.engines.llamacpp.releases import LlamacppReleases, PinnedAsset
 
-# `{ref}` is `tags/b6500` for one build.
-RELEASE_API = "https://api.github.com/repos/ggml-org/llama.cpp/releases/{ref}"
+# Where a release's asset is downloaded from; a test or a mirror gives its own.
+RELEASE_DOWNLOAD = "https://github.com/ggml-org/llama.cpp/releases/download/{build}/{name}"
 OsName = Literal["linux", "windows", "macos"]
 _ARCHIVE = r"\.(?:zip|tar\.gz)"
 _SERVER_NAMES = ("llama-server", "llama-server.exe")
 _BUILD = re.compile(r"b\d+")
 _VERSIONED_LIB = re.compile(r"^(lib.+\.so)\.(\d+)(?:\.\d+)*$")
+_MACHO_CPU = {"arm64": macho.CPU_ARM64, "x64": macho.CPU_X86_64}
+# What `platform.mac_ver()` says on macOS 11 or later to a Python built with an older SDK: no version.
+_COMPAT_MACOS = (10, 16, 0)
 
 
 @dataclass(frozen=True)
@@ -50,25 +53,13 @@ class ReleaseAsset:
     name: str
     url: str
     sha256: str
-    size_bytes: int | None = None  # the pinned size, once `pin_manifest` checked the asset
+    size_bytes: int
 
 
 @dataclass(frozen=True)
 class ReleaseManifest:
     build: str
     assets: tuple[ReleaseAsset, ...]
-
-    @classmethod
-    def from_release_json(cls, build: str, data: Mapping[str, Any]) -> ReleaseManifest:
-        """GitHub's release JSON: `assets[]` with `name`, `browser_download_url`, `digest` ("sha256:…")."""
-        assets = []
-        for item in data.get("assets", []):
-            digest = str(item.get("digest") or "")
-            if digest.startswith("sha256:") and item.get("name") and item.get("browser_download_url"):
-                assets.append(
-                    ReleaseAsset(item["name"], item["browser_download_url"], digest.removeprefix("sha256:"))
-                )
-        return cls(build, tuple(assets))
 
 
 @dataclass(frozen=True)
@@ -79,36 +70,24 @@ class Target:
     arch: str  # "x64" or "arm64"
     accelerator: Accelerator
     cuda_driver: tuple[int, int] | None = None
+    macos: macho.Version | None = None  # this Mac's macOS (None: not a Mac, or not known)
 
 
 def this_machine(accelerator: Accelerator, cuda_driver: tuple[int, int] | None = None) -> Target:
     system = {"Darwin": "macos", "Windows": "windows"}.get(platform.system(), "linux")
     arch = "arm64" if platform.machine().lower() in ("arm64", "aarch64") else "x64"
-    return Target(system, arch, accelerator, cuda_driver)  # type: ignore[arg-type]
+    macos = macho.parse_version(platform.mac_ver()[0]) if system == "macos" else None
+    if macos == _COMPAT_MACOS:
+        macos = None
+    return Target(system, arch, accelerator, cuda_driver, macos)  # type: ignore[arg-type]
 
 
-def pin_manifest(manifest: ReleaseManifest, pins: Mapping[str, PinnedAsset]) -> ReleaseManifest:
-    """The release's assets this app pins, carrying the pinned sha256 and size.
-
-    An asset the app does not pin is dropped (so never chosen); one whose published digest differs
-    from the pin is refused outright: the release changed since this app was made.
-    """
-    kept = []
-    for asset in manifest.assets:
-        pin = pins.get(asset.name)
-        if pin is None:
-            continue
-        if asset.sha256.lower() != pin.sha256:
-            raise InstallError(
-                Problem(
-                    "llama.cpp release changed",
-                    f"llama.cpp {manifest.build}: the release page gives {asset.name} the sha256 {asset.sha256}, "
-                    f"but this app ships with {pin.sha256} for it. It was not downloaded. Update the app.",
-                    action="update",
-                )
-            )
-        kept.append(ReleaseAsset(asset.name, asset.url, pin.sha256, pin.size_bytes))
-    return ReleaseManifest(manifest.build, tuple(kept))
+def pinned_manifest(build: str, pins: Mapping[str, PinnedAsset],
+                    url_template: str = RELEASE_DOWNLOAD) -> ReleaseManifest:
+    """The assets this app pins for `build`, each at its download address, with its pin."""
+    return ReleaseManifest(build, tuple(
+        ReleaseAsset(name, url_template.format(build=build, name=name), pin.sha256, pin.size_bytes)
+        for name, pin in pins.items()))
 
 
 def choose_assets(manifest: ReleaseManifest, target: Target) -> list[ReleaseAsset]:
@@ -154,37 +133,13 @@ def _cuda_assets(
     return [chosen, runtime] if runtime else [chosen]
 
 
-async def fetch_manifest(
-    client: httpx.AsyncClient, build: str, url_template: str = RELEASE_API
-) -> ReleaseManifest:
-    """The release's assets that have a published digest (still to be pinned: `pin_manifest`)."""
-    url = url_template.format(ref=f"tags/{build}")
-    try:
-        response = await client.get(url, headers={"Accept": "application/vnd.github+json"})
-    except httpx.TransportError as exc:
-        raise InstallError(
-            Problem(
-                "Cannot reach the llama.cpp releases",
-                f"Reading {url} failed ({exc}). Check the network.",
-                action="check_network",
-            )
-        ) from exc
-    if response.status_code != 200:
-        raise InstallError(
-            Problem(
-                "llama.cpp release not found",
-                f"{url} answered HTTP {response.status_code} for build {build}.",
-                action="check_network",
-            )
-        )
-    return ReleaseManifest.from_release_json(build, response.json())
-
-
-async def install_release(assets: Sequence[ReleaseAsset], location: Path, fetch: Fetch, build: str) -> Path:
+async def install_release(assets: Sequence[ReleaseAsset], location: Path, fetch: Fetch, build: str,
+                          target: Target) -> Path:
     """Download, check and unpack the assets into `location`; returns the llama-server inside it.
 
-    Unpacking happens in a sibling folder that is renamed into place only when complete, so a
-    half-unpacked build is never found by the next start.
+    Unpacking happens in a sibling folder that is renamed into place only when complete (and, on
+    a Mac, only when this macOS can start every file of it), so a half-unpacked build, or one that
+    cannot start here, is never found by the next start.
     """
     staging = location.with_name(location.name + ".partial")
     downloads = location.with_name(location.name + ".downloads")
@@ -200,6 +155,8 @@ async def install_release(assets: Sequence[ReleaseAsset], location: Path, fetch:
         )
         await asyncio.to_thread(unpack, archive, staging)
     server = await asyncio.to_thread(_prepare, staging)
+    if target.os == "macos":
+        await asyncio.to_thread(_check_macos, staging, target, build)
     await asyncio.to_thread(_replace_dir, staging, location)
     shutil.rmtree(downloads, ignore_errors=True)
     return location / server.relative_to(staging)
@@ -262,6 +219,31 @@ def _link_versioned_libraries(folder: Path) -> None:
                 link.symlink_to(library.name)
 
 
+def _check_macos(folder: Path, target: Target, build: str) -> None:
+    """Refuse (removing `folder`) a build with a file this Mac's macOS is too old to start; one
+    whose macOS is not known is let through (dyld then says why it cannot start)."""
+    try:
+        needs = macho.build_requirement(folder.rglob("*"), _MACHO_CPU[target.arch])
+    except macho.MachOError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise InstallError(
+            Problem("Damaged llama.cpp build", f"llama.cpp {build}: a file of it is unreadable ({exc}).")
+        ) from exc
+    if needs is None or target.macos is None or needs.minos <= target.macos:
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    raise InstallError(
+        Problem(
+            "This Mac's macOS is too old for this llama.cpp",
+            f"This llama.cpp build needs macOS {macho.version_name(needs.minos)} or later; this Mac has "
+            f"{macho.version_name(target.macos)}. Update macOS or the app.",
+            action="update",
+            details=(f"llama.cpp {build}: {needs.file.relative_to(folder)} is built for macOS "
+                     f"{macho.version_name(needs.minos)} or later ({target.arch}).",),
+        )
+    )
+
+
 def _replace_dir(staging: Path, location: Path) -> None:
     if location.exists():
         shutil.rmtree(location)
@@ -284,13 +266,13 @@ async def install(request: InstallRequest) -> EngineInstall:
     installed = _installed(engines_dir / f"llamacpp-{build}", build)
     if installed is not None:
         return installed
-    manifest = pin_manifest(
-        await fetch_manifest(request.client, build, request.release_api or RELEASE_API), releases.builds[build]
-    )
-    assets = choose_assets(manifest, this_machine(request.accelerator, request.cuda_driver))
-    location = engines_dir / f"llamacpp-{manifest.build}"
-    server = await install_release(assets, location, request.fetch, manifest.build)
-    return EngineInstall((str(server),), manifest.build, location, server.parent)
+    target = this_machine(request.accelerator, request.cuda_driver)
+    # `release_api`: where the release's assets are (`RELEASE_DOWNLOAD` unless a test or mirror says)
+    manifest = pinned_manifest(build, releases.builds[build], request.release_api or RELEASE_DOWNLOAD)
+    assets = choose_assets(manifest, target)
+    location = engines_dir / f"llamacpp-{build}"
+    server = await install_release(assets, location, request.fetch, build, target)
+    return EngineInstall((str(server),), build, location, server.parent)
 
 
 def _unpacked(folder: Path) -> bool:
