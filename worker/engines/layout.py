@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 FIT_SHARE = 0.9  # weights may take at most 90 % of the usable memory
 TENSOR_GROUP_SIZES = (2, 4)  # a model that fits one card goes tensor-parallel only here; 8+ stay replicas
+# The Mac's one integrated GPU: an engine over the working set runs on it, not on the CPU, and
+# the plan, the status and the coordinator say so (no GPU index would read as a CPU engine).
+APPLE_GPU = 0
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ def whole_group_units(machine: Machine, weights_mib: int) -> list[Unit]:
     """One process over each group (`layers`: split by layers), over the Mac's GPU working set, or
     over RAM on a machine without lent GPUs; those the model fits."""
     if machine.runtime == "apple-silicon":
-        candidates = [Unit((), "single", machine.effective_vram_mib)]
+        candidates = [Unit((APPLE_GPU,), "single", machine.effective_vram_mib)]
     elif machine.runtime == "cpu" or not machine.groups:
         candidates = [Unit((), "single", machine.ram_mib)]
     else:
