@@ -349,10 +349,10 @@ class Node:
             self._offline_retry.reset()
         elif isinstance(action, policy.SaveAssignment):
             self.state.last_assignment = action.assign.model_dump()
-            await asyncio.to_thread(save_state, self.paths, self.state)
+            await self._save_state()
         elif isinstance(action, policy.SavePause):
             self.state.paused, self.state.pause_until = action.paused, action.until
-            await asyncio.to_thread(save_state, self.paths, self.state)
+            await self._save_state()
         elif isinstance(action, policy.ReportRefusal):
             log.warning("assignment %s refused: %s", action.assignment_id, action.reason)
         elif isinstance(action, policy.SendStatus):
@@ -360,6 +360,15 @@ class Node:
         else:
             self._news.publish()
         return None
+
+    async def _save_state(self) -> None:
+        """The state written for the next start; a write that fails is logged and the node goes
+        on as decided: what it does now (serving, or the card freed for a game) matters more."""
+        try:
+            await asyncio.to_thread(save_state, self.paths, self.state)
+        except OSError as exc:
+            log.error("could not save the node's state in %s (%s); the next start may not remember it",
+                      self.paths.state_file, exc)
 
     async def _plan_assignment(self, assign: protocol.Assign) -> policy.Event:
         """Plan (which validates every argument and the source) before anything stops. `plan`

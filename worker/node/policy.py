@@ -351,12 +351,14 @@ def _unassigned(state: State, assignment_id: str | None) -> Decision:
 
 
 def _paused(state: State, event: Paused) -> Decision:
+    """Announced at once; the card is freed before the pause is saved: a save that fails (a file
+    Windows keeps locked) must never leave an engine on the card while the game starts."""
     if event.reason == "coordinator" and state.pause is not None and state.pause.reason != "coordinator":
         return Decision(state)  # the person's own pause stays theirs
     paused = dataclasses.replace(state, pause=Pause(event.reason, event.until, event.detail))
     keep = event.reason in ("user", "timed")
-    return Decision(paused, after=(SavePause(keep, event.until), SendStatus(),
-                                   StopEngines("paused", lock=True), SendStatus()))
+    return Decision(paused, after=(SendStatus(), StopEngines("paused", lock=True),
+                                   SavePause(keep, event.until), SendStatus()))
 
 
 def _resumed(state: State, by: Literal["user", "coordinator", "timer"]) -> Decision:
