@@ -249,7 +249,7 @@ class EngineAdapter(Protocol):
 Run = tuple[str, Sequence[str]]  # one argument list an engine may start with, and where it came from ("tier 24000")
 
 # What an engine's own failure line says went wrong, which `serve.diagnosis` words for people.
-FailureCause = Literal["out_of_memory", "port_taken", "gpu_too_old", "driver_too_old", "not_in_wsl2",
+FailureCause = Literal["out_of_memory", "port_taken", "gpu_too_old", "driver_too_old", "wsl_too_old",
                        "model_unreadable"]
 
 

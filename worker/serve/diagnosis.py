@@ -5,7 +5,9 @@ do about it ("Close games or other programs using the GPU, then Retry."), and th
 lines go to `details`, folded away. Engine flags (`--gpu-memory-utilization`, …) never reach the
 title or the message: the app owns them, a person cannot change them. Which of its lines tell a
 cause is the engine's own knowledge (its adapter's `FAILURE_HINTS`); the words are here, one set
-for every engine.
+for every engine. An engine inside WSL2 that Linux's OOM killer ended is told by its launcher's
+last line (`wsl_engine.killed_for_memory`), before any line of the engine's own: WSL2 gets only
+half of the PC's memory unless `.wslconfig` says otherwise, which a person can change.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from worker.contract.events import Problem
 from worker.engines import registry
 from worker.engines.base import FailureCause, FailureHint
 from worker.serve.restart_policy import Ended
+from worker.serve.wsl_engine import killed_for_memory
 
 DETAIL_LINES = 40
 _CLOSE_GPU_PROGRAMS = "Close games or other programs using the GPU"
@@ -32,6 +35,11 @@ _MEMORY = _Cause("Not enough GPU memory for this model", "{engine} ran out of GP
 _RAM_HELD = _Cause("Other programs are using the computer's memory",
                    "{engine} needs memory (RAM) that other programs hold.",
                    "Close programs you are not using; the model starts once the memory is free")
+_WSL_MEMORY = _Cause("WSL2 ran out of memory",
+                     "{engine} was stopped by Linux inside WSL2 when the memory WSL2 may use ran out. WSL2 may use "
+                     "only half of this PC's memory by default.",
+                     "Close programs you are not using, or let WSL2 use more: raise memory= under [wsl2] in "
+                     "%UserProfile%\\.wslconfig (for example memory=24GB), then run wsl --shutdown")
 _BY_KIND: dict[str, _Cause] = {
     "oom": _MEMORY,
     "context": _Cause("Not enough GPU memory for this model's chats",
@@ -58,8 +66,10 @@ _BY_CAUSE: dict[FailureCause, _Cause] = {
                           "if it stays"),
     "driver_too_old": _Cause("The graphics driver is too old", "{engine} cannot use the GPU with the installed driver.",
                              "Update the NVIDIA graphics driver"),
-    "not_in_wsl2": _Cause("This engine version does not run in WSL2", "{engine} cannot run inside WSL2 in this version.",
-                          "Update the app"),
+    "wsl_too_old": _Cause("WSL needs an update",
+                          "{engine} needs a newer WSL to use this PC's memory for the GPU inside WSL2.",
+                          "Update WSL: open Terminal from the Start menu, run wsl --update, then restart the "
+                          "computer"),
     "model_unreadable": _Cause("The model could not be loaded", "{engine} could not read the model's files.",
                                "If this keeps happening, delete the model from the model cache folder so it is "
                                "downloaded again"),
@@ -91,6 +101,8 @@ def _cause(ended: Ended, lines: tuple[str, ...], hints: tuple[FailureHint, ...])
     if ended.kind == "free_memory" and ended.in_ram:
         return _RAM_HELD  # an engine on the CPU: the RAM other programs hold, not a card's memory
     if ended.kind in ("crashed", "unhealthy", "timeout"):
+        if any(killed_for_memory(line) for line in lines):
+            return _WSL_MEMORY
         for hint in hints:
             if any(hint.pattern.search(line) for line in lines):
                 return _BY_CAUSE[hint.cause]

@@ -13,6 +13,7 @@ from worker.contract.events import Problem
 from worker.engines import registry
 from worker.serve.diagnosis import engine_problem
 from worker.serve.restart_policy import AttemptFacts, Ended
+from worker.serve.wsl_engine import LAUNCHER_PREFIX
 
 VLLM_OOM = ("(EngineCore pid=4242) ERROR 11-29 11:50:12 [gpu_model_runner.py:5087] Failed to load model - not "
             "enough GPU memory. Try lowering --gpu-memory-utilization to free memory for weights, increasing "
@@ -66,7 +67,7 @@ def test_an_out_of_memory_crash_is_told_by_its_lines_not_its_exit_status(lines: 
     ("vllm", "ValueError: Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your Tesla T4 "
      "GPU has compute capability 7.5. You can use float16 instead by explicitly setting the `dtype` flag in CLI, "
      "for example: --dtype=half.", "This GPU is too old for this model"),
-    ("vllm", "RuntimeError: UVA is not available", "This engine version does not run in WSL2"),
+    ("vllm", "RuntimeError: UVA is not available", "WSL needs an update"),
     ("llamacpp", "ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient for CUDA runtime "
      "version", "The graphics driver is too old"),
     ("llamacpp", "srv    load_model: failed to load model, '/models/m.gguf'", "The model could not be loaded"),
@@ -141,3 +142,29 @@ def test_the_cpu_build_waiting_for_ram_speaks_of_the_computers_memory_not_a_gpu(
     problem = engine_problem("vllm", ended, gave_up=False, retry_at=99.0)
     assert problem.title == "Other programs are using the computer's memory" and problem.retry_at == 99.0
     assert "GPU" not in shown(problem) and "memory (RAM)" in problem.message
+
+
+def test_pinned_memory_missing_under_wsl2_tells_how_to_update_wsl() -> None:
+    problem = engine_problem("vllm", crashed(["starting", "RuntimeError: UVA is not available"]), gave_up=True)
+    assert "wsl --update" in problem.message and "restart the computer" in problem.message
+    assert "UVA" not in shown(problem) and "pin" not in shown(problem).lower()
+
+
+def _killed(free_mib: int, oom_kills: int) -> list[str]:
+    return ["INFO loading weights", f"{LAUNCHER_PREFIX} engine ended by signal 9 (SIGKILL, not stopped by the app); "
+            f"oom kills {oom_kills}; lowest free memory {free_mib} of 7800 MiB"]
+
+
+@pytest.mark.parametrize(("free_mib", "oom_kills"), [(3000, 1), (200, 0)])
+def test_an_engine_linux_killed_for_memory_inside_wsl2_says_how_to_give_wsl2_more(free_mib: int,
+                                                                                   oom_kills: int) -> None:
+    problem = engine_problem("vllm", crashed(_killed(free_mib, oom_kills), status=137), gave_up=True)
+    assert problem.title == "WSL2 ran out of memory"
+    assert "only half of this PC's memory" in problem.message
+    assert "memory= under [wsl2] in %UserProfile%\\.wslconfig" in problem.message
+    assert problem.message.endswith("then Retry.") and "signal" not in shown(problem)
+
+
+def test_a_sigkill_with_memory_to_spare_is_no_memory_problem() -> None:
+    problem = engine_problem("vllm", crashed(_killed(3000, 0), status=137), gave_up=True)
+    assert problem.title == "The model stopped unexpectedly"

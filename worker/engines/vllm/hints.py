@@ -14,5 +14,7 @@ FAILURE_HINTS: tuple[FailureHint, ...] = (
     FailureHint(re.compile(r"Bfloat16 is only supported|compute capability", re.I), "gpu_too_old"),
     FailureHint(re.compile(r"CUDA driver version is insufficient|no CUDA-capable device|NVIDIA driver", re.I),
                 "driver_too_old"),
-    FailureHint(re.compile(r"UVA is not available"), "not_in_wsl2"),  # the V2 runner before 0.30 under WSL2
+    # No pinned memory under WSL2 though the app asks for it (`runtime_environment`): a WSL kernel
+    # older than 4.19.121 (engines.md A8), which the V2 runner before 0.30 could not do without.
+    FailureHint(re.compile(r"UVA is not available"), "wsl_too_old"),
 )
