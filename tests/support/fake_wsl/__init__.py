@@ -1,0 +1,158 @@
+"""An honest double of WSL2 on Linux: a `wsl.exe` on PATH whose distributions are real Linux
+namespaces (see `wsl.exe` beside this file for what it does and why).
+
+A test calls `install_fake_wsl(bin_dir, [FakeDistro("Ubuntu", root=...)], hide=[app folders])`,
+puts `bin_dir` first on PATH, and calls `kill_all()` when done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "wsl.exe"
+TOOLS = HERE / "tools"
+CONFIG_NAME = "fake-wsl.json"
+STATE_DIR_NAME = "fake-wsl-state"
+
+
+@dataclass(frozen=True)
+class FakeDistro:
+    """One installed distribution. `root` is the host folder standing for its file system (its
+    `home/<user>` is the user's home inside); None: a folder beside the fake's config."""
+
+    name: str
+    version: int = 2
+    default: bool = False
+    root: Path | None = None
+    user: str = "lender"
+
+
+@dataclass
+class FakeWsl:
+    """The installed fake: where each distro's files are on the host, and what runs inside."""
+
+    bin_dir: Path
+    distros: dict[str, FakeDistro]
+
+    @property
+    def executable(self) -> Path:
+        return self.bin_dir / "wsl.exe"
+
+    def root(self, distro: str) -> Path:
+        root = self.distros[distro].root
+        assert root is not None
+        return root
+
+    def home(self, distro: str) -> Path:
+        """The user's home inside `distro`, as a host folder."""
+        return self.root(distro) / "home" / self.distros[distro].user
+
+    def linux_path_on_host(self, distro: str, linux_path: str) -> Path:
+        """The host path that a path inside stands for (what `\\\\wsl.localhost\\<distro>\\…` is to
+        Windows). Only the distro's /home is its own; /tmp inside has no host path."""
+        path = PurePosixPath(linux_path.replace("~", f"/home/{self.distros[distro].user}", 1)
+                             if linux_path.startswith("~") else linux_path)
+        if not path.is_absolute():
+            raise ValueError(f"not an absolute Linux path: {linux_path}")
+        if path.parts[1:2] == ("home",):
+            return self.root(distro).joinpath(*path.parts[1:])
+        if path.parts[1:2] == ("tmp",):
+            raise ValueError(f"{linux_path} is in the distro's private /tmp: no host path stands for it")
+        return Path(path)
+
+    def _state(self, distro: str) -> dict[str, Any] | None:
+        try:
+            state: dict[str, Any] = json.loads((self.bin_dir / STATE_DIR_NAME / f"{distro}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return state
+
+    def processes(self, distro: str) -> list[int]:
+        """Host pids of every live process started inside `distro` (grandchildren included; the
+        fake's own init is not one of them)."""
+        state = self._state(distro)
+        if state is None:
+            return []
+        return _members(state["mnt_ns"], {state["agent"], state["holder"]})
+
+    def running(self, distro: str) -> bool:
+        state = self._state(distro)
+        return state is not None and _ns_of(state["agent"]) == state["mnt_ns"]
+
+    def kill_all(self) -> None:
+        """SIGKILL everything inside every distro, then the distros' inits (test clean-up)."""
+        for name in self.distros:
+            state = self._state(name)
+            if state is None:
+                continue
+            pids = _members(state["mnt_ns"], set()) if _ns_of(state["agent"]) == state["mnt_ns"] else []
+            for pid in [*pids, state["agent"], state["holder"]]:
+                if pid == state["holder"] and not _is_holder(pid, self.bin_dir):
+                    continue
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            (self.bin_dir / STATE_DIR_NAME / f"{name}.json").unlink(missing_ok=True)
+
+
+def install_fake_wsl(bin_dir: Path, distros: Sequence[FakeDistro], *, hide: Sequence[Path] = (),
+                     ensurepip: bool = False) -> FakeWsl:
+    """Put `wsl.exe` (and its config) in `bin_dir`, which the test puts first on PATH."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(SCRIPT, bin_dir / "wsl.exe")
+    (bin_dir / "wsl.exe").chmod(0o755)
+    placed: dict[str, FakeDistro] = {}
+    entries = []
+    for distro in distros:
+        root = (distro.root or bin_dir / "fake-wsl-distros" / distro.name).resolve()
+        (root / "home" / distro.user).mkdir(parents=True, exist_ok=True)
+        placed[distro.name] = FakeDistro(distro.name, distro.version, distro.default, root, distro.user)
+        tools = bin_dir / "fake-wsl-tools" / distro.name
+        _write_tools(tools, distro.name, root, ensurepip)
+        entries.append({"name": distro.name, "version": distro.version, "default": distro.default,
+                        "root": str(root), "user": distro.user, "tools": str(tools.resolve())})
+    config = {"distros": entries, "hide": [str(Path(p).resolve()) for p in hide], "ensurepip": ensurepip}
+    (bin_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+    return FakeWsl(bin_dir, placed)
+
+
+def _write_tools(folder: Path, name: str, root: Path, ensurepip: bool) -> None:
+    """The distro's /usr/local/bin: `wslpath`, a `python3` as stock Ubuntu's, no working `sudo`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for tool in ("wslpath", "python3", "sudo"):
+        text = (TOOLS / tool).read_text()
+        text = text.replace("@DISTRO@", json.dumps(name)).replace("@ROOT@", json.dumps(str(root)))
+        text = text.replace("@ENSUREPIP@", "True" if ensurepip else "False")
+        (folder / tool).write_text(text)
+        (folder / tool).chmod(stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+
+
+def _ns_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+
+
+def _members(mnt_ns: str, exclude: set[int]) -> list[int]:
+    return sorted(int(entry.name) for entry in os.scandir("/proc")
+                  if entry.name.isdigit() and int(entry.name) not in exclude and _ns_of(int(entry.name)) == mnt_ns)
+
+
+def _is_holder(pid: int, bin_dir: Path) -> bool:
+    """The recorded init is still ours (its pid was not reused by a stranger)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return str(bin_dir / "wsl.exe").encode() in cmdline or b"wsl.exe" in cmdline
