@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import os
+import platform
 import subprocess
 import tarfile
 import zipfile
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from tests.support.https_server import HttpsServer
+from tests.worker.engines.llamacpp.test_macho import thin
 from tests.worker.provision.conftest import ca, client, no_sleep, server  # noqa: F401 (fixtures)
 from worker.system.config import Paths
 from worker.contract.events import DownloadProgress
@@ -27,6 +29,7 @@ from worker.engines.llamacpp.install import (
     pinned_manifest,
     this_machine,
 )
+from worker.engines.llamacpp.macho import CPU_ARM64
 from worker.engines.llamacpp.releases import SHIPPED, LlamacppReleases, PinnedAsset
 from worker.engines.releases import version_problem
 from worker.provision.engine_install import ensure_engine
@@ -434,3 +437,69 @@ def test_every_platform_finds_a_pinned_build_in_what_the_app_ships(target: Targe
     assert all(a.url == f"https://github.com/ggml-org/llama.cpp/releases/download/{build}/{a.name}" for a in chosen)
     if target.accelerator == "cuda" and target.os == "windows":
         assert [a.name for a in chosen][1].startswith("cudart-")
+
+
+def mac_release(server_minos: tuple[int, int, int], library_minos: tuple[int, int, int]) -> bytes:
+    """A macOS tarball as llama.cpp packs one: llama-server and a dylib beside it, real Mach-O headers."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, data, mode in ((f"llama-{BUILD}/llama-server", thin(CPU_ARM64, minos=server_minos), 0o755),
+                                 (f"llama-{BUILD}/libggml-metal.0.dylib", thin(CPU_ARM64, minos=library_minos), 0o644)):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def on_a_mac(monkeypatch: pytest.MonkeyPatch, macos: str) -> None:
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(platform, "mac_ver", lambda: (macos, ("", "", ""), "arm64"))
+
+
+async def test_a_mac_refuses_a_build_its_macos_cannot_start(
+    server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b9428–b10141 were built for macOS 26: on macOS 15 dyld refuses them before a word is logged."""
+    on_a_mac(monkeypatch, "15.3")
+    name, tarball = platform_asset_name(".tar.gz"), mac_release((13, 3, 0), (26, 0, 0))
+    serve_release(server, {name: tarball})
+    paths = Paths.under(tmp_path)
+
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine(
+            "llamacpp",
+            BUILD,
+            paths,
+            lambda _: None,
+            downloader=Downloader(client, sleep=no_sleep, margin_bytes=0),
+            release_api=downloads(server),
+            releases=pinned({name: tarball}),
+        )
+
+    assert name == f"llama-{BUILD}-bin-macos-arm64.tar.gz"
+    assert failure.value.problem.message == (
+        "This llama.cpp build needs macOS 26 or later; this Mac has 15.3. Update macOS or the app.")
+    assert "libggml-metal.0.dylib" in failure.value.problem.details[0]
+    assert not list(paths.engines_dir.rglob("llama-server"))
+
+
+@pytest.mark.parametrize("macos", ["15.3", "13.3", "10.16", ""])  # 10.16, "": a Python that cannot tell
+async def test_a_mac_installs_a_build_its_macos_starts(
+    macos: str, server: HttpsServer, client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_a_mac(monkeypatch, macos)
+    name, tarball = platform_asset_name(".tar.gz"), mac_release((13, 3, 0), (11, 0, 0))
+    serve_release(server, {name: tarball})
+
+    install = await ensure_engine(
+        "llamacpp",
+        BUILD,
+        Paths.under(tmp_path),
+        lambda _: None,
+        downloader=Downloader(client, sleep=no_sleep, margin_bytes=0),
+        release_api=downloads(server),
+        releases=pinned({name: tarball}),
+    )
+
+    assert Path(install.executable[0]).read_bytes() == thin(CPU_ARM64, minos=(13, 3, 0))
