@@ -11,7 +11,8 @@
   read end of a pipe whose write end only the app has. When the app dies, however it dies, the
   kernel closes that end; the guard reads EOF and SIGKILLs the engine's whole process group. A
   stop that saw the group gone tells the guard so first, and it leaves quietly.
-  Windows: the child joins its own Job Object, which kills it when the app's handle closes.
+  Windows: the child joins its own Job Object, which kills it when the app's handle closes; a
+  stop ends the Job at once (a windowed app has no console for CTRL_BREAK to go through).
 - Output (stdout and stderr, in order) goes through a reader thread to a per-run log file (the
   last few runs are kept) and to a callback, line by line, on the caller's loop.
 - A pid file per engine lets the next start reap an engine a killed app left behind; it is killed
@@ -48,6 +49,7 @@ from worker.system.config import (
     private_dir,
     private_opener,
     read_private_text,
+    replace_file,
     write_private_text,
 )
 
@@ -361,7 +363,7 @@ def rotate_logs(log_dir: Path, name: str, keep: int = LOG_RUNS_KEPT) -> Path:
         older[-1].unlink(missing_ok=True)
         for newer, elder in zip(reversed([current, *older[:-1]]), reversed(older), strict=False):
             if newer.exists():
-                os.replace(newer, elder)
+                replace_file(newer, elder)
                 narrow_existing(elder)  # a run logged by an older, less careful version; never through a link
     else:
         current.unlink(missing_ok=True)
@@ -438,8 +440,9 @@ class EngineProcess:
         return group_members(self.pid, self._group)
 
     async def stop(self, timing: StopTiming = StopTiming(), gpu_released: GpuReleased | None = None) -> int | None:
-        """SIGTERM to the group, then SIGKILL after the grace time; returns once the group is gone
-        (and, given `gpu_released`, once the GPU memory is free or `gpu_release_s` has passed)."""
+        """SIGTERM to the group, then SIGKILL after the grace time (Windows: the Job ended at once);
+        returns once the group is gone (and, given `gpu_released`, once the GPU memory is free or
+        `gpu_release_s` has passed)."""
         pids = set(await asyncio.to_thread(self.members)) | {self.pid}
         if os.name == "nt":
             await self._stop_windows(timing)
@@ -468,14 +471,13 @@ class EngineProcess:
         return await _wait_for(gone, timeout_s, poll_s)
 
     async def _stop_windows(self, timing: StopTiming) -> None:
-        with contextlib.suppress(OSError):
-            self._popen.send_signal(signal.CTRL_BREAK_EVENT)  # type: ignore[attr-defined]
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.wait(), timing.grace_s)
-            return
+        """The Job ends at once, with every process in it: CTRL_BREAK reaches only processes that
+        share the caller's console, and the windowed app has none, so a polite signal would only
+        wait out `grace_s` while a game needs the card. The caller drained the requests already."""
         if self._job is not None:
             self._job.terminate()
-        self._popen.kill()
+        with contextlib.suppress(OSError):  # gone already with the job
+            self._popen.kill()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.wait(), timing.gone_s)
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -172,3 +174,98 @@ def test_the_guard_kills_the_group_when_its_pipe_closes_unless_told_to_stand_dow
         for process in (armed, released):
             process.kill()
             process.wait()
+
+
+# --- Windows: the stop from a windowed app ------------------------------------------------------
+
+
+class Kernel32Function:
+    """One kernel32 function as ctypes hands it out: argtypes and restype to set, then calls."""
+
+    def __init__(self, name: str, calls: list[tuple[object, ...]], result: Callable[..., int]) -> None:
+        self.name, self._calls, self._result = name, calls, result
+        self.argtypes: list[type] | None = None
+        self.restype: type | None = None
+
+    def __call__(self, *args: object) -> int:
+        self._calls.append((self.name, *args))
+        return self._result(*args)
+
+
+class FakeKernel32:
+    """kernel32's Job Object functions: a job holds the processes assigned to it, and ending it
+    ends them (here: real Linux children, by SIGKILL)."""
+
+    JOB = 0x1F4
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+        self.assigned: dict[int, subprocess.Popen[bytes]] = {}
+        self.CreateJobObjectW = Kernel32Function("CreateJobObjectW", self.calls, lambda *a: self.JOB)
+        self.SetInformationJobObject = Kernel32Function("SetInformationJobObject", self.calls, lambda *a: 1)
+        self.AssignProcessToJobObject = Kernel32Function("AssignProcessToJobObject", self.calls, self._assign)
+        self.TerminateJobObject = Kernel32Function("TerminateJobObject", self.calls, self._terminate)
+        self.children: dict[int, subprocess.Popen[bytes]] = {}
+
+    def _assign(self, job: int, handle: int) -> int:
+        self.assigned[handle] = self.children[handle]
+        return 1
+
+    def _terminate(self, job: int, code: int) -> int:
+        for process in self.assigned.values():
+            process.kill()
+        return 1
+
+
+class WindowlessChild:
+    """A child of a windowed app as `subprocess.Popen` shows it on Windows: a process handle, and
+    `send_signal(CTRL_BREAK_EVENT)` failing because there is no console to send it through."""
+
+    def __init__(self, process: subprocess.Popen[bytes], kernel32: FakeKernel32) -> None:
+        self._process = process
+        self.pid, self.stdout, self._handle = process.pid, process.stdout, 1000 + process.pid
+        self.signals: list[int] = []
+        kernel32.children[self._handle] = process
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.returncode
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        raise OSError(22, "GenerateConsoleCtrlEvent: the parameter is incorrect")
+
+    def wait(self) -> int:
+        return self._process.wait()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+async def test_a_windows_stop_ends_the_job_at_once_and_never_waits_the_grace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel32 = FakeKernel32()
+    monkeypatch.setattr(ctypes, "WinDLL", lambda name, use_last_error=False: kernel32, raising=False)
+    process = subprocess.Popen(["sleep", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = WindowlessChild(process, kernel32)
+    patient = procs.StopTiming(grace_s=60.0, gone_s=5.0, poll_s=0.02)
+    try:
+        with monkeypatch.context() as windows:  # undone before pytest reports: its own paths need the real os.name
+            windows.setattr(os, "name", "nt")
+            windows.setattr(signal, "CTRL_BREAK_EVENT", 1, raising=False)
+            job = procs._WindowsJob()
+            job.add(child)  # type: ignore[arg-type]
+            engine = procs.EngineProcess(child, tmp_path / "e0.log", None, asyncio.get_running_loop(),  # type: ignore[arg-type]
+                                         None, job=job)
+            began = time.monotonic()
+            async with asyncio.timeout(patient.gone_s * 2):
+                status = await engine.stop(patient)
+            took = time.monotonic() - began
+    finally:
+        process.kill()
+        process.wait()
+    assert status == -signal.SIGKILL and took < patient.gone_s
+    assert ("TerminateJobObject", FakeKernel32.JOB, 1) in kernel32.calls and child.signals == []
+    from ctypes import wintypes
+    assert kernel32.TerminateJobObject.argtypes == [wintypes.HANDLE, wintypes.UINT]
+    assert kernel32.AssignProcessToJobObject.argtypes == [wintypes.HANDLE, wintypes.HANDLE]
