@@ -22,23 +22,32 @@ every process with a Direct3D device, Explorer, chat apps and all, so being list
 There a process counts by its sampled SM utilisation (NVML's per-process sampling), and where
 the driver cannot sample either (`sm_pct` None) it never counts by the list alone: the
 full-screen probe is then what sees a game.
+
+macOS has no NVML: there a game is what fills a display, read from the window list
+(`worker.node.macwindows`): a normal-level window (layer 0) of another app whose bounds cover a
+whole display, which a native full-screen app and a borderless full-screen game both are and a
+zoomed window (under the menu bar, beside the Dock) is not. Where neither the process list nor a
+full-screen signal exists, `detection_limit` says so in words for the settings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Literal, Protocol
 
 import psutil
 
-from worker.system.config import Settings
 from worker.contract.events import NodeSnapshot
+from worker.node import macwindows
+from worker.node.macwindows import Rect
+from worker.system.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +75,28 @@ DESKTOP_PROCESSES: frozenset[str] = frozenset(
         "chrome", "chrome.exe", "chromium", "chromium-browser", "msedge", "msedge.exe", "firefox",
         "firefox.exe", "firefox-bin", "firefox-esr", "brave", "brave.exe", "opera", "opera.exe",
         "vivaldi-bin", "vivaldi.exe",
+        # macOS desktop and browsers (window owners)
+        "Window Server", "Dock", "WindowManager", "Finder", "loginwindow", "Control Center",
+        "Notification Center", "Safari", "Google Chrome", "Microsoft Edge", "Brave Browser", "Arc",
         # game launchers and stores, idle in the background
         "steam", "steam.exe", "steamwebhelper", "steamwebhelper.exe", "EpicGamesLauncher.exe",
         "EpicWebHelper.exe", "Battle.net.exe", "EADesktop.exe", "GalaxyClient.exe", "upc.exe",
+        "Battle.net", "Epic Games Launcher",
     )
+)
+NORMAL_WINDOW_LAYER = 0  # kCGNormalWindowLevel: apps and games; menus, the Dock and overlays sit higher
+
+# What the settings say next to "Pause for games" where not every game can be seen.
+FULLSCREEN_ONLY_MAC = (
+    "On a Mac, GPU Provider notices a game only when it fills the screen. "
+    "Before you play a game in a window, pause serving from the menu bar."
+)
+FULLSCREEN_ONLY_WINDOWS = (
+    "GPU Provider cannot read the NVIDIA driver's list of programs here, so it notices a game only "
+    "when it runs full screen. Before you play a game in a window, pause serving from the tray."
+)
+GAMES_NOT_SEEN = (
+    "GPU Provider cannot see games on this computer. Pause serving from the tray before you play."
 )
 
 
@@ -165,8 +192,7 @@ def does_gpu_work(process: GpuProcessLike) -> bool:
 
 def find_game(settings: Settings, processes: Iterable[SeenProcess]) -> SeenProcess | None:
     """The busiest process that counts as a game, or None: desktop and ignored names never do."""
-    ignored = DESKTOP_PROCESSES | {name.casefold() for name in settings.autopause_ignored}
-    games = [p for p in processes if does_gpu_work(p) and (p.name or "").casefold() not in ignored]
+    games = [p for p in processes if does_gpu_work(p) and counts_as_game(settings, p.name or "")]
     return max(games, key=lambda p: (p.sm_pct or 0, p.used_mib or 0), default=None)
 
 
@@ -209,26 +235,115 @@ def decide(settings: Settings, state: PolicyState, obs: Observation) -> tuple[Po
     return replace(state, holding=wanted), Action("pause", wanted, obs.game if wanted == "game" else None)
 
 
-def windows_fullscreen() -> bool:
-    """True when Windows reports a full-screen D3D app, presentation mode or a busy full screen.
+def counts_as_game(settings: Settings, name: str) -> bool:
+    """A name on the desktop list or the user's ignored list is never a game."""
+    ignored = DESKTOP_PROCESSES | {n.casefold() for n in settings.autopause_ignored}
+    return name.casefold() not in ignored
 
-    Windows is the only platform that says this: macOS has no public "another app is full
-    screen" query for background apps, and on Linux it depends on the window manager (and is
-    meaningless on a headless box), so there the GPU process list is the only signal.
-    """
+
+@dataclass(frozen=True)
+class ScreenWindow:
+    """One on-screen window as the macOS window list describes it."""
+
+    owner_pid: int
+    owner_name: str | None
+    layer: int
+    bounds: Rect
+    alpha: float = 1.0
+
+    @classmethod
+    def from_info(cls, info: Mapping[str, object]) -> ScreenWindow | None:
+        """From `CGWindowListCopyWindowInfo`'s keys; None for a window missing one it needs."""
+        layer, pid, box = info.get(macwindows.LAYER), info.get(macwindows.OWNER_PID), info.get(macwindows.BOUNDS)
+        if not isinstance(layer, int) or not isinstance(pid, int) or not isinstance(box, Mapping):
+            return None
+        edges = [box.get(edge) for edge in ("X", "Y", "Width", "Height")]
+        numbers = [float(v) for v in edges if isinstance(v, int | float)]
+        if len(numbers) != len(edges):
+            return None
+        name, alpha = info.get(macwindows.OWNER_NAME), info.get(macwindows.ALPHA, 1.0)
+        return cls(pid, name if isinstance(name, str) else None, layer, Rect(*numbers),
+                   float(alpha) if isinstance(alpha, int | float) else 1.0)
+
+
+def covers(window: Rect, display: Rect) -> bool:
+    """The window spans the whole display (a full-screen app's window is exactly its bounds)."""
+    return (window.x <= display.x and window.y <= display.y
+            and window.x + window.width >= display.x + display.width
+            and window.y + window.height >= display.y + display.height)
+
+
+def full_screen_apps(windows: Iterable[ScreenWindow], displays: Sequence[Rect], *, own_pid: int) -> list[str]:
+    """The apps (by name) with a visible normal-level window covering a display, other than ours."""
+    names = [
+        w.owner_name or FULLSCREEN_APP
+        for w in windows
+        if w.layer == NORMAL_WINDOW_LAYER and w.alpha > 0 and w.owner_pid != own_pid
+        and any(covers(w.bounds, d) for d in displays)
+    ]
+    return list(dict.fromkeys(names))
+
+
+def windows_fullscreen() -> list[str]:
+    """`[FULLSCREEN_APP]` when Windows reports a full-screen D3D app, presentation mode or a busy
+    full screen (it does not say which app); on Linux it depends on the window manager (and is
+    meaningless on a headless box), so there the GPU process list is the only signal."""
     import ctypes
 
     state = ctypes.c_int(0)
     shell32 = ctypes.windll.shell32  # type: ignore[attr-defined]
     if shell32.SHQueryUserNotificationState(ctypes.byref(state)) != 0:
-        return False
+        return []
     busy, d3d_full_screen, presentation = 2, 3, 4
-    return state.value in (busy, d3d_full_screen, presentation)
+    return [FULLSCREEN_APP] if state.value in (busy, d3d_full_screen, presentation) else []
 
 
-def default_fullscreen_probe() -> Callable[[], bool]:
-    """The platform's full-screen check; a constant False where the platform cannot tell us."""
-    return windows_fullscreen if sys.platform == "win32" else (lambda: False)
+class MacFullScreen:
+    """The macOS probe: full-screen apps from the window list, nothing (logged once) if unreadable."""
+
+    def __init__(self, window_list: macwindows.WindowList, own_pid: int | None = None) -> None:
+        self._window_list = window_list
+        self._own_pid = os.getpid() if own_pid is None else own_pid
+        self._warned = False
+
+    def __call__(self) -> list[str]:
+        try:
+            infos, displays = self._window_list.windows(), self._window_list.displays()
+        except OSError as exc:
+            if not self._warned:
+                log.warning("auto-pause cannot read the window list: %s", exc)
+                self._warned = True
+            return []
+        windows = [w for info in infos if (w := ScreenWindow.from_info(info)) is not None]
+        return full_screen_apps(windows, displays, own_pid=self._own_pid)
+
+
+def mac_window_list() -> macwindows.WindowList | None:
+    """CoreGraphics' window list, or None where the frameworks cannot be loaded."""
+    try:
+        return macwindows.WindowList()
+    except (OSError, AttributeError) as exc:
+        log.warning("auto-pause cannot load CoreGraphics: %s", exc)
+        return None
+
+
+def default_fullscreen_probe(platform: str = sys.platform) -> Callable[[], list[str]]:
+    """The platform's full-screen check; one that sees nothing where the platform cannot tell us."""
+    if platform == "win32":
+        return windows_fullscreen
+    window_list = mac_window_list() if platform == "darwin" else None
+    return MacFullScreen(window_list) if window_list is not None else (lambda: [])
+
+
+def detection_limit(*, nvml: bool, platform: str = sys.platform,
+                    window_list: Callable[[], object | None] = mac_window_list) -> str | None:
+    """What the "Pause for games" setting should say where not every game can be seen; None
+    where the GPU process list sees them (NVML on Linux and Windows)."""
+    if platform == "darwin":
+        return FULLSCREEN_ONLY_MAC if window_list() is not None else GAMES_NOT_SEEN
+    if nvml:
+        return None
+    return FULLSCREEN_ONLY_WINDOWS if platform == "win32" else GAMES_NOT_SEEN
 
 
 def process_name(pid: int) -> str | None:
@@ -266,7 +381,7 @@ class PausableNode(Protocol):
 
 
 class AutoPauser:
-    """Polls the GPU process list (and full-screen state) and applies `decide` to the node."""
+    """Polls the GPU process list (and what is full screen) and applies `decide` to the node."""
 
     def __init__(
         self,
@@ -274,7 +389,7 @@ class AutoPauser:
         settings: Callable[[], Settings],
         list_processes: Callable[[], Iterable[GpuProcessLike]],
         *,
-        fullscreen: Callable[[], bool] | None = None,
+        fullscreen: Callable[[], Sequence[str]] | None = None,
         name_of: Callable[[int], str | None] = process_name,
         clock: Callable[[], float] = time.time,
         local_hour: Callable[[], float] = local_hour_now,
@@ -331,10 +446,10 @@ class AutoPauser:
         if game is not None:
             self._evidence = game.describe()
             return game.label
-        if self._fullscreen():
-            self._evidence = FULLSCREEN_APP
-            return FULLSCREEN_APP
-        return None
+        full_screen = next((name for name in self._fullscreen() if counts_as_game(settings, name)), None)
+        if full_screen is not None:
+            self._evidence = f"{full_screen} (full screen)"
+        return full_screen
 
     def _apply(self, action: Action) -> None:
         if action.kind == "pause":

@@ -182,7 +182,7 @@ class FakeNode:
 NAMES = {4242: "vllm", 1712: "Xorg", 2290: "gnome-shell", 3105: "chrome", 9001: GAME, 9002: "Discord"}
 
 
-def poller(node, processes, *, now, settings=SETTINGS, fullscreen=lambda: False):
+def poller(node, processes, *, now, settings=SETTINGS, fullscreen=lambda: []):
     return AutoPauser(
         node,
         lambda: settings,
@@ -221,7 +221,7 @@ async def test_poller_ignores_games_on_gpus_not_lent_and_names_a_full_screen_app
     settings = replace(SETTINGS, gpus_to_lend=(0,))
     pauser = poller(node, [Proc(9001, 1, used_mib=4096, sm_pct=90)], now=[0.0], settings=settings)
     assert await pauser.tick() is None
-    full = poller(FakeNode(), [], now=[0.0], fullscreen=lambda: True)
+    full = poller(FakeNode(), [], now=[0.0], fullscreen=lambda: [FULLSCREEN_APP])
     assert await full.tick() == Action("pause", "game", FULLSCREEN_APP)
 
 
@@ -237,7 +237,7 @@ async def test_poller_survives_a_failed_reading():
         if len(sleeps) == 2:
             raise RuntimeError("stop")
 
-    pauser = AutoPauser(node, lambda: SETTINGS, broken, fullscreen=lambda: False, sleep=sleep, interval_s=0.5)
+    pauser = AutoPauser(node, lambda: SETTINGS, broken, fullscreen=lambda: [], sleep=sleep, interval_s=0.5)
     with pytest.raises(RuntimeError, match="stop"):
         await pauser.run()
     assert sleeps == [0.5, 0.5] and node.calls == []
