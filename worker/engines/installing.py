@@ -18,6 +18,7 @@ import httpx
 
 from worker.contract.events import DownloadProgress, Problem
 from worker.engines.releases import Releases
+from worker.system import wsl
 
 ProgressCallback = Callable[[DownloadProgress], None]
 Accelerator = Literal["cuda", "metal", "cpu"]  # what an engine's build runs on: CUDA, Apple's Metal, the CPU
@@ -46,11 +47,9 @@ class InstallPlace:
         return self.engines_dir / f"{engine}-{version}"
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        """`argv` as this place runs it: as is here, through `wsl.exe … --cd ~ --` inside WSL2."""
-        if not self.wsl:
-            return list(argv)
-        distro = ["-d", self.wsl_distro] if self.wsl_distro else []
-        return ["wsl.exe", *distro, "--cd", "~", "--", *argv]
+        """`argv` as this place runs it: as is here, inside WSL2 through `wsl.exe … --cd ~ -e`
+        (no shell there re-parses an argument)."""
+        return wsl.command(argv, distro=self.wsl_distro) if self.wsl else list(argv)
 
 
 class Fetch(Protocol):

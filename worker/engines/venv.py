@@ -1,7 +1,14 @@
 """Installing an engine into a Python virtual environment the app owns: where the venv lives and
 how a command reaches it (`VenvPlace`: this machine, or inside WSL2), the environment pip runs in,
 pip's output as progress steps, and running one step (an argument list, never a shell). Shared by
-the engines that install with pip (vLLM, SGLang); what each installs stays in its own package."""
+the engines that install with pip (vLLM, SGLang); what each installs stays in its own package.
+
+Inside WSL2 the venv is made from the distribution's python3 without sudo: stock Ubuntu and Debian
+leave ensurepip out (it comes with `python3-venv`, which needs root), so the venv is made
+`--without-pip` and pip is installed into it from a pinned pip wheel (`PIP`) that the app's own
+downloader puts into the distribution and checks by its sha256; a wheel runs as a program
+(`python pip.whl/pip install …`), which is how pip's own docs bootstrap it.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +18,11 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import PurePath
+from pathlib import PurePath, PurePosixPath
 
-from worker.contract.events import DownloadProgress
-from worker.engines.installing import InstallPlace, ProgressCallback
-from worker.system import children
+from worker.contract.events import DownloadProgress, Problem
+from worker.engines.installing import InstallError, InstallPlace, InstallRequest, ProgressCallback
+from worker.system import children, wsl
 
 _SCRUBBED_ENV = (
     "GPU_PROVIDER_TOKEN",
@@ -46,6 +53,72 @@ class VenvPlace:
             if self.wsl or os.name != "nt"
             else str(self.folder / "Scripts" / name)
         )
+
+
+@dataclass(frozen=True)
+class PinnedWheel:
+    """One wheel the app downloads itself, pinned as an engine release's assets are."""
+
+    name: str
+    version: str
+    url: str
+    sha256: str
+    size: int
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}-{self.version}-py3-none-any.whl"
+
+
+PIP = PinnedWheel(  # pypi.org/simple/pip: pip 26.3, its published sha256 and size
+    "pip", "26.3",
+    "https://files.pythonhosted.org/packages/07/25/ee8c38ae72d66b844ce8eb9711ba905dba21ca1a8a0c960057c41cd23337/"
+    "pip-26.3-py3-none-any.whl",
+    "f3b60b20ffaadd4415ed7957212a38ac63fa4c5fa375bd0f4a797777940fad13", 1_950_951,
+)
+WSL_WHEELS_DIR = PurePosixPath(".cache/gpu-provider/wheels")  # under the distro user's home
+
+
+def create_steps(place: VenvPlace, pip_wheel: str | None) -> list[tuple[str, list[str]]]:
+    """(what it is doing, argv) that make the venv with pip in it: here with the base Python's
+    ensurepip; inside WSL2 without it, then pip from `pip_wheel` (its Linux path)."""
+    if not place.wsl:
+        return [("creating the virtual environment", [place.base_python, "-m", "venv", str(place.folder)])]
+    if pip_wheel is None:
+        raise ValueError("a venv inside WSL2 needs the pip wheel to bootstrap from")
+    wheels = str(PurePosixPath(pip_wheel).parent)
+    return [
+        ("creating the virtual environment", [place.base_python, "-m", "venv", "--without-pip", str(place.folder)]),
+        ("installing pip", [place.in_venv("python"), f"{pip_wheel}/pip", "install", "--isolated", "--no-index",
+                            "--find-links", wheels, "--progress-bar", "off", f"{PIP.name}=={PIP.version}"]),
+    ]
+
+
+async def pip_wheel_inside(request: InstallRequest) -> str:
+    """The Linux path of `PIP` inside the request's distribution: in its `find_links` folder
+    (offline), else downloaded (sha256 checked) by the app into the user's cache there."""
+    if request.find_links is not None:
+        return str(PurePosixPath(request.find_links) / PIP.filename)
+    distro = request.place.wsl_distro
+    try:
+        home = await asyncio.to_thread(wsl.home, distro)
+        folder = await asyncio.to_thread(wsl.host_folder, home / WSL_WHEELS_DIR, distro=distro)
+    except wsl.WslError as exc:
+        raise InstallError(wsl_problem(exc)) from exc
+    await request.fetch(PIP.url, folder / PIP.filename, what=f"pip {PIP.version}", sha256=PIP.sha256,
+                        max_bytes=PIP.size, size_said="the size this app pins for it")
+    return str(home / WSL_WHEELS_DIR / PIP.filename)
+
+
+def wsl_problem(error: wsl.WslError) -> Problem:
+    """WSL2 did not do what the install asked of it, in words a person can act on."""
+    return Problem(
+        "WSL2 did not answer",
+        f"The app could not prepare its folder inside WSL2 ({error}). Open your Linux distribution "
+        "once from the Start menu to finish its setup (or run `wsl --update` in PowerShell), then "
+        "resume the app.",
+        action="settings",
+    )
 
 
 def pip_step(line: str) -> str | None:

@@ -56,7 +56,7 @@ from worker.engines import EngineAdapter, get_adapter, registry
 from worker.engines.allowlist import MAX_JSON_BYTES, Allowlist, utf8_length
 from worker.engines.base import Launch
 from worker.engines.layout import FIT_SHARE, Unit, fits
-from worker.hardware.model import Machine
+from worker.hardware.model import IN_WSL, Machine
 from worker.engines.releases import version_problem
 from worker.plan.sources import BadSource, check_source
 
@@ -99,6 +99,11 @@ class EnginePlan:
     served_name: str
     memory_cap: float | None = None  # the assignment's memory-utilization cap, taken out of `args`
     memory_utilization: float | None = None  # vLLM's `--gpu-memory-utilization` (all retries); None: llama.cpp
+    # Set by provisioning: `executable` (and `model`) are a Linux command line and path inside the
+    # WSL2 distribution `wsl_distro`, started through `wsl.exe` (an engine on a Windows machine
+    # that does not run on Windows itself).
+    in_wsl: bool = False
+    wsl_distro: str | None = None
 
     @property
     def tensor_parallel(self) -> int:
@@ -323,7 +328,7 @@ def _options(engine_model: protocol.EngineModel, allowlist: Allowlist) -> list[_
 def _installed_executable(machine: Machine, engine: str, adapter: EngineAdapter) -> tuple[str, ...]:
     """The engine detection found (a path), else the engine's plain command name."""
     found = machine.engines.get(engine)
-    if found and found.path and found.path != "wsl":
+    if found and found.path and found.path != IN_WSL:
         return (found.path,)
     return adapter.DEFAULT_EXECUTABLE
 

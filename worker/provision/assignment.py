@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from worker.system.config import Paths, Settings
 from worker.engines.base import Room, Run, StartCheck
 from worker.engines.releases import Releases
 from worker.contract.events import Problem
-from worker.hardware import Machine, usable_mib
+from worker.hardware import IN_WSL, Machine, usable_mib
 from worker.plan.planner import EnginePlan, Plan
 from worker.provision.engine_install import accelerator_of, cuda_version, ensure_engine, library_env
 from worker.provision.errors import ProvisionError
@@ -33,9 +34,11 @@ OFFLINE_BACKOFF = DoublingBackoff(initial_s=15.0, maximum_s=600.0)  # 15 s doubl
 async def provision(current: Plan, machine: Machine, paths: Paths, settings: Settings, on_progress: ProgressCallback,
                     *, engine_bins: Mapping[str, str]) -> list[EnginePlan]:
     """Model files (and, where missing, the engine) in place; the plans rewritten to use them."""
-    executable, env = await _engine_executable(current, machine, paths, on_progress, engine_bins)
-    path = await ensure_model(current.engine_model, current.engine, paths, settings, on_progress)
-    plans = [dataclasses.replace(ep, model=str(path), executable=executable, env={**ep.env, **env})
+    engine = await _engine_executable(current, machine, paths, on_progress, engine_bins)
+    path = await ensure_model(current.engine_model, current.engine, paths, settings, on_progress,
+                              wsl_distro=engine.wsl_distro if engine.in_wsl else None)
+    plans = [dataclasses.replace(ep, model=str(path), executable=engine.executable, env={**ep.env, **engine.env},
+                                 in_wsl=engine.in_wsl, wsl_distro=engine.wsl_distro)
              for ep in current.engines]
     await asyncio.to_thread(check_room, plans, machine, settings)
     return plans
@@ -77,17 +80,30 @@ def _where(tier: str | None) -> str:
     return "base_args" if tier is None else f"tier {tier}"
 
 
+@dataclass(frozen=True)
+class _Engine:
+    """What the engine processes start: the argv prefix, its variables, and (`in_wsl`) that it is
+    a Linux command inside the WSL2 distribution `wsl_distro`."""
+
+    executable: tuple[str, ...]
+    env: Mapping[str, str]
+    in_wsl: bool = False
+    wsl_distro: str | None = None
+
+
 async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_progress: ProgressCallback,
-                             engine_bins: Mapping[str, str]) -> tuple[tuple[str, ...], dict[str, str]]:
-    """The engine the user pointed at, the one found on the machine, or one installed now."""
+                             engine_bins: Mapping[str, str]) -> _Engine:
+    """The engine the user pointed at, the one found on the machine, or one installed now (one
+    found inside WSL2 is installed-or-found there, which gives its Linux command line)."""
     engine, wanted = current.engine, current.engine_model.engine_version
     given = engine_bins.get(engine)
     if given:
-        return (given,), library_env(Path(given).parent)
+        return _Engine((given,), library_env(Path(given).parent))
     found = machine.engines.get(engine)
     releases = current.engines[0].adapter.RELEASES
-    if found and found.path and (wanted is None or _same_release(releases, found.version, wanted)):
-        return current.engines[0].executable, {}
+    if (found and found.path and found.path != IN_WSL
+            and (wanted is None or _same_release(releases, found.version, wanted))):
+        return _Engine(current.engines[0].executable, {})
     install = await ensure_engine(
         engine,
         wanted,
@@ -96,8 +112,11 @@ async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_p
         accelerator=accelerator_of(machine),
         cuda_driver=cuda_version(machine.cuda_version),
         runtime=machine.runtime,  # the build for this runtime (a CPU build on a machine without a usable GPU)
+        machine_os=machine.os,
+        wsl_distro=machine.wsl_distro,
     )
-    return install.executable, library_env(install.library_dir) if install.library_dir else {}
+    env = library_env(install.library_dir) if install.library_dir else {}
+    return _Engine(install.executable, env, install.in_wsl, install.wsl_distro)
 
 
 def _same_release(releases: Releases, found: str | None, wanted: str) -> bool:

@@ -1,8 +1,9 @@
 """The engine an assignment needs, installed before the supervisor starts it.
 
 Generic: the engine's adapter installs it (`installing.Installer`; one without runs from
-`--engine-bin`), into a place this module gives it: this machine's engines folder, or, on Windows
-for an engine that does not run on Windows itself, the same folder inside WSL2. Each version lives
+`--engine-bin`), into a place this module gives it: this machine's engines folder, or, on a Windows
+machine (its `Machine.os`, so a `--hardware` file of one takes the same path anywhere) for an
+engine that does not run on Windows itself, the same folder inside the machine's WSL2 distribution. Each version lives
 in its own folder there (`<engine>-<version>`, with a build tag where it has one), so
 several coexist and switching back is free; `remove_unused` deletes the ones no assignment needs
 any more. A folder only counts as installed once its install finished and was checked.
@@ -49,6 +50,7 @@ async def ensure_engine(
     accelerator: Accelerator = "cpu",
     runtime: str | None = None,
     python: str | None = None,
+    machine_os: str | None = None,
     use_wsl: bool | None = None,
     wsl_distro: str | None = None,
     downloader: Downloader | None = None,
@@ -59,7 +61,8 @@ async def ensure_engine(
 
     Only versions its releases list (what this app ships with; `releases` stands in for them) are
     found or installed, for the machine's `runtime`, and only by an engine that has an installer.
-    `use_wsl` None means: inside WSL2 on Windows where the engine does not run on Windows itself.
+    `use_wsl` None means: inside WSL2 (`wsl_distro`) where `machine_os` (None: this machine's) is
+    Windows and the engine does not run on Windows itself.
     `index_url`/`find_links` choose where pip looks (a folder of wheels offline), `release_api`
     where release pages are read; downloads go through `downloader` (one is made if not given).
     """
@@ -70,7 +73,7 @@ async def ensure_engine(
         raise ProvisionError(Problem("Engine version not allowed", problem + ".", action="update"))
     if not isinstance(adapter, Installer):
         raise ProvisionError(_no_installer(engine))
-    wsl = in_wsl(adapter.RUNTIMES) if use_wsl is None else use_wsl
+    wsl = in_wsl(adapter.RUNTIMES, machine_os or host_os()) if use_wsl is None else use_wsl
     place = wsl_place(adapter.DISPLAY_NAME, wsl_distro) if wsl else InstallPlace(paths.engines_dir)
     async with _downloader(downloader) as loader:
         request = InstallRequest(
@@ -84,17 +87,23 @@ async def ensure_engine(
             raise ProvisionError(exc.problem) from exc
 
 
-def in_wsl(runtimes: Collection[str], system: str = os.name) -> bool:
-    """Whether an engine serving `runtimes` installs inside WSL2: on Windows, one that does not run
-    on Windows itself (it serves `wsl2`, a Windows machine's NVIDIA cards through WSL2, instead)."""
-    return system == "nt" and "windows" not in runtimes
+def host_os() -> str:
+    """This machine's `Machine.os` as far as installing goes: Windows or not."""
+    return "windows" if os.name == "nt" else "posix"
 
 
-def wsl_place(name: str, distro: str | None = None, *,
+def in_wsl(runtimes: Collection[str], machine_os: str) -> bool:
+    """Whether an engine serving `runtimes` installs inside WSL2: on a Windows machine, one that
+    does not run on Windows itself (vLLM, SGLang: `wsl2` with an NVIDIA card, vLLM's CPU build on
+    `cpu`)."""
+    return machine_os == "windows" and "windows" not in runtimes
+
+
+def wsl_place(name: str, distro: str | None, *,
               which: Callable[[str], str | None] = shutil.which) -> InstallPlace:
-    """The engines folder inside WSL2 (`distro`, or its default); a person without WSL2 is told how
-    to turn it on."""
-    if which("wsl.exe") is None:
+    """The engines folder inside the WSL2 distribution `distro` (detection's); a person without
+    WSL2, or without a distribution for it, is told how to get one."""
+    if distro is None or which("wsl.exe") is None:
         raise ProvisionError(
             Problem(
                 f"{name} needs WSL2",

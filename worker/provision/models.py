@@ -11,20 +11,29 @@ to public https hosts (`ModelOptions.hosts`, `worker.provision.hosts`). A downlo
 the assignment's `weights_mib` plus 10 %, and never more than the cache limit. Cached downloads are
 tracked in the cache index, and the least recently used are evicted when the cache grows past the
 user's limit — never a model in use.
+
+An engine inside WSL2 (`wsl_distro`) reads its model from the distribution's own disk: a model
+read across `/mnt/c` goes through WSL's 9P file server, many times slower than the distribution's
+ext4. So its cache is `~/.cache/gpu-provider/models` inside the distribution, written by the app
+through the Windows path `wslpath -w` gives for it (the same downloader, hash checks, progress,
+eviction and disk-space check, which then measures the distribution's disk); a local path is copied
+in once (keyed by what it is, so a second start reuses the copy); the engine is given the Linux path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
+import shutil
 import ssl
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Literal
 
 import httpx
@@ -40,14 +49,18 @@ from worker.provision.cache import ModelCache
 from worker.provision.problems import Downloader, SizeCap, fetch
 from worker.engines.installing import human_bytes
 from worker.provision.errors import ProvisionError
-from worker.provision.progress import ProgressCallback
+from worker.provision.progress import ProgressCallback, ProgressMeter
 from worker.plan.sources import BadSource, ModelSource, check_source, under_system_folder
+from worker.system import wsl
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 GGUF_MAGIC = b"GGUF"
 _SHARD = "-00001-of-"
 UNUSABLE_PATH = "The model path given cannot be used on this machine."
+WSL_MODELS_DIR = PurePosixPath(".cache/gpu-provider/models")  # under the distro user's home
+COPY_CHUNK_BYTES = 16 * MIB
+MAX_COPIED_FILES = 10_000  # a model folder to copy into WSL2: more files is no model
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +93,69 @@ async def ensure_model(
     http: httpx.AsyncClient | None = None,
     hf_endpoint: str | None = None,
     options: ModelOptions = ModelOptions(),
-) -> Path:
-    """The GGUF file or model folder to start `engine` with; raises `ProvisionError`.
+    wsl_distro: str | None = None,
+) -> PurePath:
+    """The GGUF file or model folder to start `engine` with; raises `ProvisionError`. With
+    `wsl_distro`, the engine runs inside that WSL2 distribution: the model goes there and the
+    path returned is the Linux one.
 
     `sha256` is checked for a single file (https or local); a Hugging Face repo is pinned by its
     `revision` instead. Progress events go to `on_progress` on the calling loop.
     """
     source = _checked(engine_model, engine)
     adapter = registry.get(engine)
+    if wsl_distro is not None:
+        inside = await _wsl_cache(wsl_distro)
+        path = await _fetched(source, engine_model, adapter, ModelCache(inside.host_root), settings, on_progress,
+                              http, hf_endpoint, options)
+        return inside.linux_root / path.relative_to(inside.host_root).as_posix()
     if source.kind == "local":
         return await _local_model(Path(source.value), source.sha256, adapter)
-    cache = ModelCache(model_cache_root(paths, settings))
+    return await _fetched(source, engine_model, adapter, ModelCache(model_cache_root(paths, settings)), settings,
+                          on_progress, http, hf_endpoint, options)
+
+
+@dataclass(frozen=True)
+class _WslCache:
+    """The model cache inside a WSL2 distribution: as this machine writes it, and as Linux reads it."""
+
+    host_root: Path
+    linux_root: PurePosixPath
+
+
+async def _wsl_cache(distro: str) -> _WslCache:
+    try:
+        home = await asyncio.to_thread(wsl.home, distro)
+        host_root = await asyncio.to_thread(wsl.host_folder, home / WSL_MODELS_DIR, distro=distro)
+    except wsl.WslError as exc:
+        log.warning("the model folder inside WSL2 could not be prepared: %s", exc)
+        raise ProvisionError(Problem(
+            "WSL2 did not answer",
+            "The app could not prepare the model folder inside WSL2. Open your Linux distribution once from "
+            "the Start menu to finish its setup (or run `wsl --update` in PowerShell), then resume the app.",
+            action="settings",
+        )) from None
+    return _WslCache(host_root, home / WSL_MODELS_DIR)
+
+
+async def _fetched(
+    source: ModelSource,
+    engine_model: protocol.EngineModel,
+    adapter: EngineAdapter,
+    cache: ModelCache,
+    settings: Settings,
+    on_progress: ProgressCallback,
+    http: httpx.AsyncClient | None,
+    hf_endpoint: str | None,
+    options: ModelOptions,
+) -> Path:
+    """The model in `cache` (a local one copied in), downloaded or copied where missing."""
     limit = int(settings.model_cache_limit_gib * GIB)
     cap = size_cap(engine_model.weights_mib, limit)
-    if source.kind == "https":
+    if source.kind == "local":
+        local = await _local_model(Path(source.value), source.sha256, adapter)
+        path = await _copied_in(local, source.sha256, cache, cap, on_progress, options)
+    elif source.kind == "https":
         path = await _https_model(source, engine_model, cache, limit, cap, on_progress, http, options)
     else:
         path = await _hf_model(
@@ -101,6 +163,81 @@ async def ensure_model(
         )
     await asyncio.to_thread(cache.evict, limit, in_use=(*options.in_use, path))
     return path
+
+
+async def _copied_in(model: Path, sha256: str | None, cache: ModelCache, cap: SizeCap,
+                     on_progress: ProgressCallback, options: ModelOptions) -> Path:
+    """`model` (a checked file or folder here) copied into `cache` once, under a key of what it is
+    (its sha256, else its real path, size and change time), with progress; the copy where it is."""
+    files, identity = await asyncio.to_thread(_files_to_copy, model, cap)
+    digest = hashlib.sha256((f"sha256:{sha256}" if sha256 else identity).encode()).hexdigest()[:32]
+    key, folder = f"local:{digest}", cache.root / "local" / digest
+    dest = folder / model.name
+    if await asyncio.to_thread(cache.get, key) is not None:
+        await asyncio.to_thread(cache.touch, key)
+        return dest
+    total = sum(size for _, size in files)
+    free = await asyncio.to_thread(options.free_bytes, cache.root)
+    if free < total + options.margin_bytes:
+        need = total + options.margin_bytes
+        raise ProvisionError(Problem(
+            "Not enough disk space",
+            f"Copying the model {model.name} needs {human_bytes(need)} free in {cache.root}, but only "
+            f"{human_bytes(free)} is free. Free up {human_bytes(need - free)} more on that disk.",
+            action="free_disk",
+        ))
+    staging = cache.root / "local" / f".{digest}.partial"
+    await asyncio.to_thread(_remove_tree, staging)
+    meter = ProgressMeter(f"model {model.name}", on_progress, total_bytes=total, clock=options.clock)
+    meter.start(0, total)
+    done = 0
+    for source, _ in files:
+        target = staging / model.name / source.relative_to(model) if source != model else staging / model.name
+        done = await _copy_file(source, target, meter, done)
+    await asyncio.to_thread(os.replace, staging, folder)
+    meter.finish()
+    await asyncio.to_thread(cache.put, key, folder, sha256=sha256)
+    return dest
+
+
+def _files_to_copy(model: Path, cap: SizeCap) -> tuple[list[tuple[Path, int]], str]:
+    """The regular files of `model` with their sizes (a folder's links to files followed, no
+    folder link), at most `MAX_COPIED_FILES` and `cap`, and what identifies this model here."""
+    found: list[tuple[Path, int]] = []
+    if model.is_file():
+        found.append((model, model.stat().st_size))
+    else:
+        for top, folders, names in os.walk(model):
+            folders[:] = [f for f in folders if not Path(top, f).is_symlink()]
+            for name in names:
+                path = Path(top, name)
+                info = os.stat(path)
+                if stat.S_ISREG(info.st_mode):
+                    found.append((path, info.st_size))
+                if len(found) > MAX_COPIED_FILES:
+                    raise _unusable()
+    total = sum(size for _, size in found)
+    if total > cap.max_bytes:
+        raise ProvisionError(Problem("Model larger than allowed",
+                                     f"The model is {human_bytes(total)}, more than {cap.said}."))
+    info = os.stat(model)
+    return found, f"{os.path.realpath(model)}:{total}:{info.st_mtime_ns}"
+
+
+async def _copy_file(source: Path, target: Path, meter: ProgressMeter, done: int) -> int:
+    """One file copied in chunks (each in a thread, the progress on this loop); the bytes done after it."""
+    await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
+    with open(source, "rb") as reader, open(target, "wb") as writer:  # noqa: ASYNC230 - chunks go through threads
+        while chunk := await asyncio.to_thread(reader.read, COPY_CHUNK_BYTES):
+            await asyncio.to_thread(writer.write, chunk)
+            done += len(chunk)
+            meter.update(done)
+    return done
+
+
+def _remove_tree(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def size_cap(weights_mib: int, limit_bytes: int) -> SizeCap:

@@ -40,7 +40,8 @@ async def test_the_cpu_build_found_is_the_release_asked_for_whatever_its_build_t
     installs = Installs()
     monkeypatch.setattr(assignment, "ensure_engine", installs)
     chosen = cpu_plan(wanted)
-    executable, env = await assignment._engine_executable(chosen, cpu_machine(), Paths.under(tmp_path), print, {})
+    engine = await assignment._engine_executable(chosen, cpu_machine(), Paths.under(tmp_path), print, {})
+    executable, env = engine.executable, engine.env
     assert executable == ("/venv/bin/vllm",) and env == {} and installs.asked == []
 
 

@@ -46,10 +46,11 @@ def test_library_env_only_for_a_folder_with_shared_libraries(tmp_path: Path, mon
 
 
 @pytest.mark.parametrize(("engine", "system", "wsl"), [
-    ("vllm", "nt", True),  # Linux only: inside WSL2 on Windows
-    ("llamacpp", "nt", False),  # a Windows build of its own
-    ("vllm", "posix", False),
-    ("llamacpp", "posix", False),
+    ("vllm", "windows", True),  # Linux only: inside WSL2 on Windows (its CPU build on a CPU-only PC too)
+    ("sglang", "windows", True),
+    ("llamacpp", "windows", False),  # a Windows build of its own
+    ("vllm", "linux", False),
+    ("llamacpp", "macos", False),
 ])
 def test_an_engine_that_does_not_run_on_windows_installs_inside_wsl2_there(engine: str, system: str, wsl: bool) -> None:
     assert in_wsl(get_adapter(engine).RUNTIMES, system) is wsl

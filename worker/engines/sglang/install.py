@@ -16,13 +16,12 @@ import sys
 from pathlib import Path
 
 from worker.contract.events import Problem
-from worker.engines.installing import EngineInstall, InstallError, InstallRequest, newest_installed, none_shipped
-from worker.engines.venv import StepReporter, VenvPlace, pip_step, run_logged
+from worker.engines.installing import MARKER, EngineInstall, InstallError, InstallRequest, newest_installed, none_shipped
+from worker.engines.venv import StepReporter, VenvPlace, create_steps, pip_step, pip_wheel_inside, run_logged
 
 CUDA_TAG = "cu130"
 TORCH_INDEX = f"https://download.pytorch.org/whl/{CUDA_TAG}"
 MIN_DRIVER_CUDA = (13, 0)
-MARKER = ".gpu-provider-installed"
 
 # Run with the venv's python: exit 0 when the marker names `version` and SGLang's metadata agrees.
 _PROBE = """
@@ -51,8 +50,10 @@ def venv_place(request: InstallRequest, version: str) -> VenvPlace:
     return VenvPlace(folder, request.base_python or sys.executable)
 
 
-def install_steps(place: VenvPlace, version: str, request: InstallRequest) -> list[tuple[str, list[str]]]:
-    """(what it is doing, argv) for a fresh install, the unfinished one removed first."""
+def install_steps(place: VenvPlace, version: str, request: InstallRequest,
+                  pip_wheel: str | None = None) -> list[tuple[str, list[str]]]:
+    """(what it is doing, argv) for a fresh install, the unfinished one removed first (`pip_wheel`:
+    inside WSL2, the Linux path of the pip wheel the venv gets pip from)."""
     pip = [place.in_venv("python"), "-m", "pip", "install", "--isolated", "--progress-bar", "off"]
     if request.find_links is not None:
         pip += ["--no-index", "--find-links", request.find_links]
@@ -60,7 +61,7 @@ def install_steps(place: VenvPlace, version: str, request: InstallRequest) -> li
         pip += [*(["--index-url", request.index_url] if request.index_url else []), "--extra-index-url", TORCH_INDEX]
     return [
         ("removing an unfinished install", [place.base_python, "-c", _REMOVE, str(place.folder)]),
-        ("creating the virtual environment", [place.base_python, "-m", "venv", str(place.folder)]),
+        *create_steps(place, pip_wheel),
         ("installing with pip", [*pip, f"sglang=={version}"]),
         ("checking the install", [place.in_venv("python"), "-c", _SEAL, str(place.folder), version, MARKER]),
     ]
@@ -100,7 +101,10 @@ async def install(request: InstallRequest) -> EngineInstall:
         if (problem := request_problem(request, version)) is not None:
             raise InstallError(problem)
         await _install(place, version, request)
-    return EngineInstall(tuple(place.command([place.in_venv("python")])), version, place.folder)
+    if place.wsl:  # the Linux argv from the user's home; the supervisor runs it through `wsl.command`
+        return EngineInstall((place.in_venv("python"),), version, place.folder, in_wsl=True,
+                             wsl_distro=place.wsl_distro)
+    return EngineInstall((place.in_venv("python"),), version, place.folder)
 
 
 def _version(request: InstallRequest) -> str:
@@ -117,7 +121,8 @@ def _version(request: InstallRequest) -> str:
 
 async def _install(place: VenvPlace, version: str, request: InstallRequest) -> None:
     reporter = StepReporter(f"engine sglang {version}", request.on_progress)
-    for description, argv in install_steps(place, version, request):
+    pip_wheel = await pip_wheel_inside(request) if place.wsl else None
+    for description, argv in install_steps(place, version, request, pip_wheel):
         reporter.step(description, force=True)
         try:
             rc, tail = await run_logged(place.command(argv), lambda line: _pip_progress(reporter, line))

@@ -3,9 +3,10 @@ WSL2 on Windows.
 
 Every step is a child process with an argument list (no shell) run through a `VenvPlace`, which
 knows where the venv lives and how a command reaches it (`installing.InstallPlace`): directly, or
-through `wsl.exe -d DISTRO --cd ~ -- …` with the venv under the distro user's home. So the same steps
-serve Linux and Windows, and the user's own Python and packages are never touched: the venv is
-made from a base interpreter and pip runs isolated from the user's configuration.
+through `wsl.exe -d DISTRO --cd ~ -e …` with the venv under the distro user's home (made without
+sudo: `venv.create_steps`). So the same steps serve Linux and Windows, and the user's own Python and
+packages are never touched: the venv is made from a base interpreter and pip runs isolated from the
+user's configuration.
 
 Which CUDA build: vLLM's wheels on PyPI carry CUDA 12.9 binaries and pin their torch; vLLM's
 install guide pairs them with the PyTorch index for the same CUDA (`…/whl/cu129`), which this
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from worker.contract.events import Problem
 from worker.engines.installing import (
+    MARKER,
     EngineInstall,
     InstallError,
     InstallPlace,
@@ -40,13 +42,12 @@ from worker.engines.installing import (
     newest_installed,
     none_shipped,
 )
-from worker.engines.venv import StepReporter, VenvPlace, pip_step, run_logged
+from worker.engines.venv import StepReporter, VenvPlace, create_steps, pip_step, pip_wheel_inside, run_logged
 from worker.engines.vllm.releases import VllmBuild, VllmReleases
 
 VLLM_CUDA_TAG = "cu129"
 TORCH_INDEX = "https://download.pytorch.org/whl/{tag}"
 MIN_DRIVER_CUDA = (12, 0)
-MARKER = ".gpu-provider-installed"
 TORCH_FAMILY = ("torch", "torchvision", "torchaudio", "torchcodec")
 # Run with the venv's python: exit 0 when the marker names `version` and vLLM's metadata agrees.
 _PROBE = """
@@ -188,9 +189,11 @@ async def install_vllm(
     index_url: str | None = None,
     find_links: str | None = None,
     cuda_driver: tuple[int, int] | None = None,
+    pip_wheel: str | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Make the venv and pip-install `build` into it; a failed attempt leaves nothing that looks installed."""
+    """Make the venv and pip-install `build` into it; a failed attempt leaves nothing that looks
+    installed. `pip_wheel`: inside WSL2, the Linux path of the pip wheel the venv gets pip from."""
     reporter = StepReporter(f"engine vllm {build.installed_version}", on_progress, clock)
     if (problem := _disk_problem(place, build)) is not None:
         reporter.fail(problem.message)
@@ -206,7 +209,7 @@ async def install_vllm(
             build.distribution, build.version]
     steps = (
         ("removing an unfinished install", [place.base_python, "-c", _REMOVE, str(place.folder)]),
-        ("creating the virtual environment", [place.base_python, "-m", "venv", str(place.folder)]),
+        *create_steps(place, pip_wheel),
         *installs,
         ("checking the install", seal),
     )
@@ -262,8 +265,12 @@ async def install(request: InstallRequest) -> EngineInstall:
     place = venv_place(request.place, build.installed_version, request.base_python)
     if not await is_installed(place, build):
         await install_vllm(place, build, request.on_progress, index_url=request.index_url,
-                           find_links=request.find_links, cuda_driver=request.cuda_driver)
-    return EngineInstall(tuple(place.command([place.in_venv("vllm")])), build.installed_version, place.folder)
+                           find_links=request.find_links, cuda_driver=request.cuda_driver,
+                           pip_wheel=await pip_wheel_inside(request) if place.wsl else None)
+    if place.wsl:  # the Linux argv from the user's home; the supervisor runs it through `wsl.command`
+        return EngineInstall((place.in_venv("vllm"),), build.installed_version, place.folder,
+                             in_wsl=True, wsl_distro=place.wsl_distro)
+    return EngineInstall((place.in_venv("vllm"),), build.installed_version, place.folder)
 
 
 def _build(request: InstallRequest) -> VllmBuild:

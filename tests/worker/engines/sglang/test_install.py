@@ -84,7 +84,11 @@ def test_pip_is_isolated_pins_the_release_and_adds_pytorchs_cuda_13_index(tmp_pa
     assert "--no-index" in offline["installing with pip"] and TORCH_INDEX not in offline["installing with pip"]
 
 
-def test_inside_wsl_every_step_runs_in_the_distro_from_its_home(tmp_path: Path) -> None:
+def test_inside_wsl_every_step_runs_in_the_distro_from_its_home_without_ensurepip(tmp_path: Path) -> None:
     place = venv_place(request(tmp_path, wsl=True), "0.5.23")
-    argv = place.command(install_steps(place, "0.5.23", request(tmp_path, wsl=True))[1][1])
-    assert argv[:6] == ["wsl.exe", "-d", "Ubuntu", "--cd", "~", "--"] and argv[6] == "python3"
+    steps = install_steps(place, "0.5.23", request(tmp_path, wsl=True), "/home/u/.cache/gpu-provider/wheels/pip.whl")
+    for _, step in steps:
+        assert place.command(step)[:6] == ["wsl.exe", "-d", "Ubuntu", "--cd", "~", "-e"]
+    by_name = dict(steps)
+    assert by_name["creating the virtual environment"][:4] == ["python3", "-m", "venv", "--without-pip"]
+    assert by_name["installing pip"][1] == "/home/u/.cache/gpu-provider/wheels/pip.whl/pip"

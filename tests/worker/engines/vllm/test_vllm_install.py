@@ -115,7 +115,7 @@ def test_wsl_commands_run_inside_the_distro_from_its_home() -> None:
         "Ubuntu",
         "--cd",
         "~",
-        "--",
+        "-e",
         ".local/share/gpu-provider/engines/vllm-0.33.0/bin/vllm",
         "serve",
     ]
@@ -125,12 +125,13 @@ def test_wsl_commands_run_inside_the_distro_from_its_home() -> None:
 def test_wsl_default_distro_is_left_to_wsl() -> None:
     place = VenvPlace(PurePosixPath("v"), "python3", wsl=True)
 
-    assert place.command(["python3", "-V"]) == ["wsl.exe", "--cd", "~", "--", "python3", "-V"]
+    assert place.command(["python3", "-V"]) == ["wsl.exe", "--cd", "~", "-e", "python3", "-V"]
 
 
-def test_missing_wsl_guides_the_person_to_install_it() -> None:
+@pytest.mark.parametrize(("distro", "wsl_exe"), [("Ubuntu", None), (None, "C:/Windows/System32/wsl.exe")])
+def test_missing_wsl_or_distribution_guides_the_person_to_install_it(distro: str | None, wsl_exe: str | None) -> None:
     with pytest.raises(ProvisionError) as failure:
-        wsl_place("vLLM", which=lambda _: None)
+        wsl_place("vLLM", distro, which=lambda _: wsl_exe)
 
     assert "wsl --install" in failure.value.problem.message and failure.value.problem.title == "vLLM needs WSL2"
 
