@@ -2,6 +2,8 @@
 
 Only `apply_setting` decides when to write: it acts on a change of the setting, never on its
 own, so an entry the user removed by hand stays removed until they turn the setting on again.
+`refresh` only corrects an entry that is there and starts something else. The entry names the
+packaged executable, never an updated version's folder (`packaged_executable`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ RUN_KEY = r"Software\Microsoft\Windows\CurrentVersion\Run"
 # The packaged executable a self-updated version was started by (set by worker.update.install at
 # the hand-over): what start-at-login must run, since versions/<v> is pruned two updates later.
 LAUNCHER_ENV = "GPU_PROVIDER_LAUNCHER"
+# Where Gatekeeper runs a quarantined app from a read-only random mount (App Translocation).
+TRANSLOCATION_FOLDER = "/AppTranslocation/"
 
 
 def default_command(data_dir: str | os.PathLike[str] | None = None) -> list[str]:
@@ -46,12 +50,27 @@ def default_icon() -> str:
     return str(Path(__file__).resolve().parents[2] / "assets" / "icon.png")
 
 
+class AutostartRefused(OSError):
+    """Start at login cannot be written as asked; the message says what the person should do."""
+
+
+TRANSLOCATED = (
+    "GPU Provider is running from the disk image or the Downloads folder it came in, a place macOS "
+    "removes after a restart. Move GPU Provider to the Applications folder, open it from there, "
+    "then turn on start at login."
+)
+
+
 class Autostart(Protocol):
     def enable(self) -> None: ...
 
     def disable(self) -> None: ...
 
     def is_enabled(self) -> bool: ...
+
+    def is_current(self) -> bool:
+        """The entry there now starts what `enable` would write (False when there is none)."""
+        ...
 
 
 class XdgAutostart:
@@ -85,6 +104,9 @@ class XdgAutostart:
     def is_enabled(self) -> bool:
         return self.path.is_file()
 
+    def is_current(self) -> bool:
+        return _reads(self.path) == self.entry().encode()
+
 
 class LaunchAgent:
     """`~/Library/LaunchAgents/<label>.plist`, loaded by launchd at the next login."""
@@ -107,6 +129,9 @@ class LaunchAgent:
         }
 
     def enable(self) -> None:
+        """Refused for an app macOS translocated: its path is gone after a restart."""
+        if any(TRANSLOCATION_FOLDER in part for part in self._command):
+            raise AutostartRefused(TRANSLOCATED)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_bytes(plistlib.dumps(self.plist()))
 
@@ -115,6 +140,9 @@ class LaunchAgent:
 
     def is_enabled(self) -> bool:
         return self.path.is_file()
+
+    def is_current(self) -> bool:
+        return _reads(self.path) == plistlib.dumps(self.plist())
 
 
 class Registry(Protocol):
@@ -177,6 +205,9 @@ class WindowsRunValue:
     def is_enabled(self) -> bool:
         return self._registry.get_value(APP_ID) is not None
 
+    def is_current(self) -> bool:
+        return self._registry.get_value(APP_ID) == self.value()
+
 
 def for_platform(command: Sequence[str] | None = None, platform: str = sys.platform,
                  data_dir: str | os.PathLike[str] | None = None) -> Autostart:
@@ -194,3 +225,20 @@ def apply_setting(backend: Autostart, *, was_on: bool, now_on: bool) -> None:
         backend.enable()
     elif was_on and not now_on:
         backend.disable()
+
+
+def refresh(backend: Autostart) -> bool:
+    """At start, with the setting on: rewrite an entry that starts something else (one an older
+    version pointed into versions/<v>, pruned since); True if rewritten. A removed entry stays
+    removed (`apply_setting`)."""
+    if not backend.is_enabled() or backend.is_current():
+        return False
+    backend.enable()
+    return True
+
+
+def _reads(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None

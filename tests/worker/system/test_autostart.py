@@ -12,12 +12,14 @@ from worker.system.autostart import (
     LAUNCH_AGENT_LABEL,
     LAUNCHER_ENV,
     RUN_KEY,
+    AutostartRefused,
     LaunchAgent,
     WindowsRunValue,
     XdgAutostart,
     apply_setting,
     default_command,
     for_platform,
+    refresh,
 )
 
 COMMAND = ["/opt/gpu provider/python", "-m", "app", "--minimized"]
@@ -187,3 +189,32 @@ def test_without_a_launcher_the_packaged_build_names_itself(tmp_path, monkeypatc
     else:
         monkeypatch.setenv(LAUNCHER_ENV, str(tmp_path / launcher))
     assert default_command() == ["/opt/gpu-provider/gpu-provider", "--minimized"]
+
+
+def test_refresh_corrects_an_entry_pointing_into_an_old_version_only_when_it_is_there(tmp_path):
+    """An older version wrote versions/1 into the entry; this one repairs it, never recreates it."""
+    launcher = ["/opt/gpu-provider/gpu-provider", "--minimized"]
+    stale = ["/home/p/.local/share/gpu-provider/app/versions/1/gpu-provider", "--minimized"]
+    XdgAutostart(stale, config_home=tmp_path).enable()
+    LaunchAgent(stale, agents_dir=tmp_path).enable()
+    registry = MemoryRegistry()
+    WindowsRunValue(stale, registry).enable()
+    backends = [XdgAutostart(launcher, config_home=tmp_path), LaunchAgent(launcher, agents_dir=tmp_path),
+                WindowsRunValue(launcher, registry)]
+    assert [b.is_current() for b in backends] == [False, False, False]
+    assert [refresh(b) for b in backends] == [True, True, True]
+    assert [b.is_current() for b in backends] == [True, True, True]
+    assert [refresh(b) for b in backends] == [False, False, False]  # already right: untouched
+    for backend in backends:
+        backend.disable()
+    assert [refresh(b) for b in backends] == [False, False, False]
+    assert not any(b.is_enabled() for b in backends)
+
+
+def test_a_translocated_app_is_told_to_move_to_applications(tmp_path):
+    """Run from the disk image or Downloads, macOS gives the app a path gone after a restart."""
+    moved = "/private/var/folders/x1/T/AppTranslocation/5E1F/d/GPU Provider.app/Contents/MacOS/gpu-provider"
+    agent = LaunchAgent([moved, "--minimized"], agents_dir=tmp_path)
+    with pytest.raises(AutostartRefused, match="Move GPU Provider to the Applications folder"):
+        agent.enable()
+    assert not agent.is_enabled()
