@@ -208,6 +208,11 @@ class SettingsDialog(QDialog):
         self.auto_pause = QCheckBox("Pause when a game or another app uses the GPU")
         self.auto_pause.setChecked(s.auto_pause_for_games)
         form.addRow(self.auto_pause)
+        self.keep_awake = QCheckBox("Keep this computer awake while it serves")
+        self.keep_awake.setChecked(s.keep_awake_while_serving)
+        self.keep_awake.setToolTip("A computer that goes to sleep stops serving. It may sleep again as soon as "
+                                   "serving is paused or stopped.")
+        form.addRow(self.keep_awake)
         self.resume_after_min = QSpinBox()
         self.resume_after_min.setRange(0, 240)
         self.resume_after_min.setSuffix(" min")
@@ -326,6 +331,7 @@ class SettingsDialog(QDialog):
             "coordinator_url": network.coordinator_url,
             "currency": network.currency,
             "auto_pause_for_games": self.auto_pause.isChecked(),
+            "keep_awake_while_serving": self.keep_awake.isChecked(),
             "auto_resume_after_s": float(self.resume_after_min.value() * 60),
             "autopause_ignored": tuple(n.strip() for n in self.ignored.text().split(",") if n.strip()),
             "serve_hours": hours,

@@ -30,6 +30,8 @@ def test_round_trip_saves_applies_and_reloads(qtbot, paths, bridge, node, login_
     dialog = dialog_for(qtbot, paths, bridge, login_item)
     dialog.price.setText("0,31")
     dialog.auto_pause.setChecked(False)
+    assert dialog.keep_awake.isChecked()  # on by default: a computer that sleeps stops serving
+    dialog.keep_awake.setChecked(False)
     dialog.resume_after_min.setValue(5)
     dialog.limit_hours.setChecked(True)
     dialog.hours_from.setValue(22)
@@ -45,6 +47,7 @@ def test_round_trip_saves_applies_and_reloads(qtbot, paths, bridge, node, login_
     assert saved.electricity_price_per_kwh == 0.31
     assert saved.currency == "USD" and saved.coordinator_url == "local"  # the network's currency
     assert saved.auto_pause_for_games is False
+    assert saved.keep_awake_while_serving is False
     assert saved.auto_resume_after_s == 300
     assert saved.serve_hours == (22, 7)
     assert saved.gpus_to_lend == (0,)
@@ -59,6 +62,7 @@ def test_round_trip_saves_applies_and_reloads(qtbot, paths, bridge, node, login_
     again = dialog_for(qtbot, paths, bridge, login_item, saved)
     assert again.price.text() == "0.31" and again.hours_from.value() == 22 and not again.gpus.boxes[1].isChecked()
     assert again.ignored.text() == "obs64.exe, blender"
+    assert not again.keep_awake.isChecked()
 
 
 def test_bad_input_is_explained_and_nothing_is_lost(qtbot, paths, bridge, node, login_item):

@@ -31,6 +31,7 @@ from worker.node.autopause import AutoPauser
 from worker.system.config import Paths, Settings, State, load_state, save_state
 from worker.system.config import save_settings as write_settings
 from worker.system.datalock import DataFolderInUse, DataFolderLock
+from worker.system.keepawake import KeepAwake, PowerAssertion, platform_assertion
 from worker.node.provision_failure import network_failure, offline_problem, provision_problem
 from worker.serve.engine_set import EngineSet
 from worker.contract.events import EngineSnapshot, NodeSnapshot, NodeState, Problem
@@ -80,8 +81,10 @@ class Node:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         offline_backoff: RestartBackoff = OFFLINE_BACKOFF,
+        power: PowerAssertion | None = None,
     ) -> None:
-        """`offline_backoff`: when a download or install the network cut short is tried again."""
+        """`offline_backoff`: when a download or install the network cut short is tried again;
+        `power`: what keeps the computer awake while it serves (None: this platform's own)."""
         self.paths = paths.ensure()
         self.settings = settings
         self._hardware_override = hardware_override
@@ -125,6 +128,7 @@ class Node:
         self._held = policy.State()  # the assignment, plan, problem, refusal and pause: `policy` decides
         self._draining = False  # while the relay drains for an engine stop
         self._engines_lock: asyncio.Lock | None = None
+        self._awake = KeepAwake(power if power is not None else platform_assertion())
 
     # --- commands (any thread) ----------------------------------------------------------------
 
@@ -242,6 +246,7 @@ class Node:
         await self._engine_http.aclose()
         self._news.publish()
         await self._books.close()
+        self._awake.want(False)
         self._status_file.remove()  # unless the new version owns the folder after an update
 
     def _detect(self) -> Machine:
@@ -321,6 +326,7 @@ class Node:
         for action in decision.before:
             await self._act(action)
         self._held = policy.commit(self._held, start, decision.state)
+        self._keep_awake()
         for action in decision.after:
             follow = await self._act(action)
             if follow is not None:
@@ -477,9 +483,18 @@ class Node:
             self._metering.start_run(snap.engine_id, sup.run_id)
         elif snap.state in ("starting", "failed", "stopped"):
             self._metering.forget(snap.engine_id)
+        self._keep_awake()  # before the snapshot that shows it
         self._news.publish()  # serving, failing and pausing speak through the state (app/notify.py), not notices
         if self._tasks.loop:
             self._tasks.spawn(self._news.send_status())
+
+    def _keep_awake(self) -> None:
+        """The computer kept awake exactly while an engine serves, the node is neither paused nor
+        stopping, and the person wants it so (the setting)."""
+        serving = any(state in ("ready", "degraded") for state in self._engines.states())
+        held = self._held
+        self._awake.want(self.settings.keep_awake_while_serving and serving and held.pause is None
+                         and not held.stopping)
 
     # --- pause ----------------------------------------------------------------------------
 
@@ -490,6 +505,7 @@ class Node:
     def _set_settings(self, settings: Settings) -> None:
         switched = settings.coordinator_url != self.settings.coordinator_url
         self.settings = settings
+        self._keep_awake()
         if self._updater:
             self._updater.apply_settings(settings)
         if switched and self.machine is not None:

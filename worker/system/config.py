@@ -132,6 +132,7 @@ class Settings:
     currency: str = "USD"
     auto_pause_for_games: bool = True
     auto_resume_after_s: float = 120.0
+    keep_awake_while_serving: bool = True  # the computer does not sleep by itself while an engine serves
     autopause_ignored: tuple[str, ...] = ()  # process names that never pause serving (a game's launcher, a tool)
     serve_hours: tuple[int, int] | None = None  # (start hour, end hour), local time; None = always
     start_at_login: bool = False

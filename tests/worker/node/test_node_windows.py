@@ -4,6 +4,7 @@ on the card during a pause, and the computer is kept awake exactly while the nod
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -12,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_node import eventually, model_folder, running_node, vllm, vllm_assign
+from worker.contract import protocol
+from worker.contract.events import NodeSnapshot
+from worker.node.node import Node
 from worker.system.config import load_state
 
 pytestmark = pytest.mark.integration
@@ -36,3 +40,61 @@ async def test_a_pause_frees_the_card_even_when_its_state_cannot_be_saved(
                                          for r in caplog.records))
         assert not load_state(run.node.paths).paused  # not remembered: the card came first
         assert run.node.snapshot().paused
+
+
+class Power:
+    """The platform's power assertion (SetThreadExecutionState, IOKit, logind) as the node drives it."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    @property
+    def held(self) -> bool:
+        return bool(self.events) and self.events[-1] == "acquire"
+
+    def acquire(self) -> None:
+        self.events.append("acquire")
+
+    def release(self) -> None:
+        self.events.append("release")
+
+
+async def test_the_computer_is_kept_awake_exactly_while_an_engine_serves(tmp_path: Path, vllm_standin: Path) -> None:
+    power = Power()
+    wrong: list[NodeSnapshot] = []
+
+    def check(node: Node) -> None:
+        def held_as_shown(snap: NodeSnapshot) -> None:
+            serving = any(e.state in ("ready", "degraded") for e in snap.engines)
+            wanted = node.settings.keep_awake_while_serving and serving and not snap.paused and not snap.stopping
+            if power.held != wanted:
+                wrong.append(snap)
+
+        node.subscribe(held_as_shown)
+
+    async with running_node(tmp_path, vllm(vllm_standin), assign=vllm_assign(model_folder(tmp_path)),
+                            configure=check, power=power) as run:
+        await run.status("ready")
+        assert power.events == ["acquire"]
+        mark = run.mark()
+        run.node.pause()
+        await run.status("paused", after=mark)
+        assert power.events == ["acquire", "release"]  # at the pause, before the engine has even stopped
+        mark = run.mark()
+        run.node.resume()
+        await run.status("ready", after=mark)
+        assert power.events == ["acquire", "release", "acquire"]
+        run.node.save_settings(dataclasses.replace(run.node.settings, keep_awake_while_serving=False))
+        await eventually(lambda: not power.held)
+        run.node.save_settings(dataclasses.replace(run.node.settings, keep_awake_while_serving=True))
+        await eventually(lambda: power.held)
+        mark = run.mark()
+        await run.coordinator.send(protocol.Unassign(assignment_id="a-1"))
+        await run.status("idle", after=mark)
+        assert not power.held
+        mark = run.mark()
+        await run.coordinator.send(vllm_assign(model_folder(tmp_path), "a-2"))
+        await run.status("ready", after=mark)
+        assert power.held
+    assert power.events == ["acquire", "release", "acquire", "release", "acquire", "release", "acquire", "release"]
+    assert wrong == []
