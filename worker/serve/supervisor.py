@@ -28,6 +28,11 @@ A start that runs out of memory, or whose context does not fit the KV cache, ret
 lower. vLLM's "Free memory on device" refusal is no tier problem but another program holding the
 card (contract, Assignment rule 3): the supervisor waits, measures again (`remeasure`) and starts
 with the share that is free now.
+
+An engine installed inside WSL2 (the plan's `in_wsl`) runs under `serve.wsl_engine`'s launcher
+through its `wsl.exe`, on 127.0.0.1 and a port, its environment crossing through `WSLENV`; it is
+stopped inside the distribution first (then its `wsl.exe` as any engine), and one a previous run
+left there is reaped before the first start.
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ from typing import Any
 
 import httpx
 
+from worker.engines.base import child_environment
 from worker.serve import process as procs
+from worker.serve.wsl_engine import WslEngine, environment as wsl_environment
 from worker.system.config import Paths, private_dir
 from worker.contract.events import ContextNumbers, EngineSnapshot, NodeState
 from worker.plan.planner import EnginePlan
@@ -129,8 +136,11 @@ class EngineSupervisor:
         self._http = http
         self._owns_http = False
         self._health_client = LoopbackClient(max_idle_per_engine=1)
-        # an engine that cannot listen on a Unix socket (SGLang) keeps 127.0.0.1 and its key everywhere
-        self._unix_socket = (UNIX_SOCKETS if unix_socket is None else unix_socket) and self.adapter.UNIX_SOCKET
+        self._wsl = WslEngine(plan.wsl_distro, plan.engine_id) if plan.in_wsl else None
+        # an engine that cannot listen on a Unix socket (SGLang) keeps 127.0.0.1 and its key everywhere,
+        # and so does one inside WSL2 (Windows cannot reach a socket inside the VM)
+        self._unix_socket = ((UNIX_SOCKETS if unix_socket is None else unix_socket) and self.adapter.UNIX_SOCKET
+                             and self._wsl is None)
         self._socket_path: Path | None = None
         self._temp_folder: Path | None = None
         self._config_home: Path | None = None
@@ -258,6 +268,7 @@ class EngineSupervisor:
     async def _keep_serving(self) -> None:
         pid_path = procs.pid_file(self._paths.run_dir, self.plan.engine_id)
         await asyncio.to_thread(procs.reap_pid_file, pid_path, self._timing.stop)
+        await self._stop_inside_wsl()  # one a previous run left inside: the host pid file names only wsl.exe
         options = start_options(self.plan)
         option, fast_failures, memory_waits, reason = 0, 0, 0, "starting"
         while True:
@@ -318,17 +329,20 @@ class EngineSupervisor:
         assert self._config_home is not None, "start() prepares the private folder"
         env = {**self.plan.environment(self._base_env, api_key=self._api_key, config_home=str(self._config_home)),
                **dict(self.plan.env)}
+        started_argv = argv
+        if self._wsl is not None:
+            started_argv, env = self._wsl_start(argv)
         log_path = procs.rotate_logs(self._paths.log_dir, self.plan.engine_id)
         started = self._clock()
         self._set("starting", reason, tier=tier, argv=tuple(argv), phase="launching",
                   kv_cache_tokens=None, kv_cache_gib=None, max_concurrency=None, context=ContextNumbers(),
                   log_path=str(log_path), pid=None, retry_at=None)
         try:
-            self._process = procs.spawn(argv, env=env, log_path=log_path, pid_path=pid_path,
+            self._process = procs.spawn(started_argv, env=env, log_path=log_path, pid_path=pid_path,
                                         on_line=self.observe_line)
         except OSError as exc:
-            return Ended("unstartable", f"Could not start {argv[0]}: {exc}. Check that the engine is installed.",
-                         0.0, False)
+            return Ended("unstartable", f"Could not start {started_argv[0]}: {exc}. Check that the engine is "
+                         "installed.", 0.0, False)
         self._update(pid=self._process.pid)
         ended = await self._until_ready(self._process, started)
         if ended is None:
@@ -339,8 +353,24 @@ class EngineSupervisor:
 
     async def _stop_process(self) -> None:
         if self._process is not None:
+            await self._stop_inside_wsl()
             await self._process.stop(self._timing.stop, self._gpu_released)
             self._process = None
+
+    def _wsl_start(self, argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+        """`wsl.exe` running `argv` under the launcher, and its environment: the engine's own
+        variables (its key among them) cross into the distribution through `WSLENV` only. Its user
+        configuration folder is the launcher's, inside (the app's is a Windows path)."""
+        assert self._wsl is not None and self._api_key is not None
+        own = {**self.plan.environment({}, api_key=self._api_key), **dict(self.plan.env)}
+        return (self._wsl.start_argv(argv, self._timing.stop.grace_s),
+                wsl_environment(child_environment(self._base_env), own))
+
+    async def _stop_inside_wsl(self) -> None:
+        """End the engine's Linux processes (a failure is logged by `WslEngine.stop`; its `wsl.exe`
+        is stopped afterwards either way)."""
+        if self._wsl is not None:
+            await asyncio.to_thread(self._wsl.stop, self._timing.stop.grace_s, self._timing.stop.gone_s)
 
     # --- log facts -----------------------------------------------------------------------
 
