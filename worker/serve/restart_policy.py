@@ -11,6 +11,12 @@ the caller's doing, not the engine's, so it restarts at once and never counts to
 (that rule is for engines that cannot start). `RequestCrashes` keeps the node's count of them:
 three within ten minutes and constrained decoding, the way such requests get in, is refused for
 the rest of the run (contract, Relay, "Bounded requests").
+
+On Windows a start that does not fit may not fail: since driver 536.40 CUDA moves what the card
+cannot hold into shared system memory (the "sysmem fallback") and the engine runs many times
+slower instead. `spill` tells it from what the engine logged it allocated on each card
+(`DeviceBufferLog`, llama.cpp) against what NVML saw the card's memory grow by; `AttemptFacts.spilled`
+makes that an `oom` ending, so the lower tier is tried as after a failed allocation.
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
 
 from worker.serve import process as procs
 from worker.engines.base import (
@@ -55,6 +61,11 @@ RAM_WAIT_REASON = "Other programs are using the computer's memory (RAM) the mode
 REQUEST_CRASH_GRACE_S = 1.0
 REQUEST_CRASH_LIMIT = 3
 REQUEST_CRASH_WINDOW_S = 600.0
+# What a card's memory must have grown by, at least, less what the engine logged it allocated
+# there: the engine's CUDA context (not logged) adds a few hundred MiB; other programs' own use
+# moves NVML's figure by less than this while an engine starts.
+SPILL_MARGIN_MIB = 512
+SPILL_FULL_SHARE = 0.9  # the driver spills only once a card's memory is (nearly) all used
 
 
 RestartBackoff = DoublingBackoff  # delay before the n-th restart in a row
@@ -185,6 +196,43 @@ class RequestCrashes:
         return True
 
 
+@runtime_checkable
+class DeviceBufferLog(Protocol):
+    """An engine whose log says what it allocated on each card (llama.cpp), for `spill`."""
+
+    def device_buffer(self, line: str) -> tuple[int, float] | None:
+        """(CUDA device number among the engine's cards, MiB) where `line` names a buffer on a card."""
+
+
+@dataclass(frozen=True)
+class CardMemory:
+    """NVML's reading of one card's memory, MiB: used by every process together, and its total
+    (None where not read)."""
+
+    used_mib: int
+    total_mib: int | None = None
+
+
+def spill(device_mib: Mapping[int, float], gpu_indices: Sequence[int], before: Mapping[int, CardMemory],
+          after: Mapping[int, CardMemory]) -> str | None:
+    """Pure: why the engine's start spilled into shared system memory, or None. `device_mib`: what
+    it logged it allocated on its CUDA device k (`gpu_indices[k]`, the order CUDA_VISIBLE_DEVICES
+    gives); `before`/`after`: NVML's readings by GPU index before it started and once ready (a
+    card missing from `before` counts as empty, which only misses a spill smaller than what others
+    held). A spill is a card, (nearly) full, whose memory grew by less than was allocated on it."""
+    for device, allocated in sorted(device_mib.items()):
+        if device >= len(gpu_indices) or (now := after.get(gpu_indices[device])) is None:
+            continue
+        index = gpu_indices[device]
+        grew = now.used_mib - (before[index].used_mib if index in before else 0)
+        full = now.total_mib is None or now.used_mib >= SPILL_FULL_SHARE * now.total_mib
+        if allocated - grew > SPILL_MARGIN_MIB and full:
+            return (f"the model does not fit in GPU {index}'s memory: the engine put {allocated:,.0f} MiB on it, "
+                    f"but the card's memory grew by only {grew:,} MiB. Windows moved the rest into the "
+                    "computer's shared memory, which makes it many times slower")
+    return None
+
+
 def context_refusal(fact: ContextTooLong) -> str:
     if fact.model_max:
         return (f"The engine refused context length {fact.max_seq_len}: the model itself takes at most "
@@ -207,6 +255,22 @@ class AttemptFacts:
     slots: Slots | None = None
     kv_mib: float = 0.0  # llama.cpp: every KV cache of this start together
     kv_cells: int | None = None  # llama.cpp: the full-attention cache's cells (the largest)
+    device_mib: dict[int, float] = field(default_factory=dict)  # llama.cpp: MiB it allocated per CUDA device
+
+    def note_device_buffer(self, buffer: tuple[int, float] | None) -> None:
+        """One buffer the engine allocated on a card (`DeviceBufferLog.device_buffer`; None: the
+        line named none)."""
+        if buffer is not None:
+            device, mib = buffer
+            self.device_mib[device] = self.device_mib.get(device, 0.0) + mib
+
+    def spilled(self, gpu_indices: Sequence[int], before: Mapping[int, CardMemory],
+                after: Mapping[int, CardMemory], uptime_s: float) -> Ended | None:
+        """An `oom` ending for a ready engine whose start spilled into shared system memory
+        (`spill`), else None. It never served, so it counts as a start that did not fit
+        (`was_ready` False): the next tier is tried."""
+        message = spill(self.device_mib, gpu_indices, before, after)
+        return None if message is None else Ended("oom", message, uptime_s, False)
 
     def absorb(self, fact: LogFact, snap: EngineSnapshot) -> EngineSnapshot:
         """`snap` with what `fact` says; a new start-up phase shows as a changed `phase` (the

@@ -1,14 +1,16 @@
-"""The supervisor's decisions, pure: start options, the step after an attempt, backoffs, and what
-an attempt's log adds to the snapshot and says about how it ended."""
+"""The supervisor's decisions, pure: start options, the step after an attempt, backoffs, what
+an attempt's log adds to the snapshot and says about how it ended, and a start that spilled into
+shared system memory (Windows' sysmem fallback) told from the log and NVML's readings."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from worker.engines import vllm
+from worker.engines import llamacpp, vllm
 from worker.engines.base import (
     ContextSize,
     ContextTooLong,
@@ -25,6 +27,8 @@ from worker.plan.planner import EnginePlan
 from worker.serve.restart_policy import (
     MEMORY_WAIT_REASON,
     AttemptFacts,
+    CardMemory,
+    DeviceBufferLog,
     RequestCrashes,
     RestartBackoff,
     Ended,
@@ -33,6 +37,7 @@ from worker.serve.restart_policy import (
     context_refusal,
     crashed_by_request,
     next_step,
+    spill,
     start_options,
 )
 
@@ -271,3 +276,78 @@ def test_request_crashes_spread_wider_than_ten_minutes_refuse_nothing() -> None:
         assert crashes.record() is False
         clock.now += 301  # any three span more than 600 s
     assert crashes.refusal is None
+
+
+# --- Windows' sysmem fallback ------------------------------------------------------------------
+
+LOGS = Path(__file__).parents[2] / "fixtures" / "llamacpp"
+RTX_4090_MIB = 24_564
+DESKTOP_MIB = 1_850  # what the desktop held on the card before the engine started
+# A 27B Q4_K_M at a 64k context on a 4090: more than the card holds. Under WDDM the driver keeps
+# the allocations that do not fit in shared system memory, and llama-server logs them as if on CUDA0.
+SPILLED_START = [
+    "0.02.411.950 I load_tensors:        CUDA0 model buffer size = 15850.25 MiB",
+    "0.02.411.990 I load_tensors:   CPU_Mapped model buffer size =   417.66 MiB",
+    "0.03.104.016 I llama_kv_cache:      CUDA0 KV buffer size =  8192.00 MiB",
+    "0.03.231.877 I sched_reserve:      CUDA0 compute buffer size =  1200.50 MiB",
+    "0.03.231.901 I sched_reserve:  CUDA_Host compute buffer size =   140.01 MiB",
+]
+
+
+def logged(lines: list[str]) -> AttemptFacts:
+    """An attempt's facts after llama.cpp's output, read as the supervisor reads it."""
+    assert isinstance(llamacpp, DeviceBufferLog)
+    facts = AttemptFacts()
+    for line in lines:
+        facts.note_device_buffer(llamacpp.device_buffer(line))
+    return facts
+
+
+def card(used_mib: int) -> dict[int, CardMemory]:
+    return {0: CardMemory(used_mib, RTX_4090_MIB)}
+
+
+def test_a_start_that_spilled_into_shared_memory_ends_as_out_of_memory_and_falls_back() -> None:
+    facts = logged(SPILLED_START)
+    assert facts.device_mib == {0: 25242.75}  # the host's buffers (CPU_Mapped, CUDA_Host) are not on the card
+
+    ended = facts.spilled((0,), card(DESKTOP_MIB), card(24_310), uptime_s=41.0)
+
+    assert ended is not None and (ended.kind, ended.was_ready) == ("oom", False)
+    assert ended.message.startswith("the model does not fit in GPU 0's memory: the engine put 25,243 MiB on it, "
+                                    "but the card's memory grew by only 22,460 MiB")
+    assert step(ended, option=0, options=3).action == "fallback"
+
+
+def test_a_start_that_fit_is_no_spill() -> None:
+    """The recorded start of a sliding-window model on one card: what the card's memory grew by is
+    what llama.cpp allocated there, and its CUDA context besides."""
+    facts = logged((LOGS / "startup-iswa.log").read_text().splitlines())
+    assert facts.device_mib == {0: pytest.approx(7988.0)}
+
+    assert facts.spilled((0,), card(DESKTOP_MIB), card(DESKTOP_MIB + 7988 + 386), uptime_s=9.0) is None
+
+
+def test_a_card_with_room_left_did_not_spill_whatever_others_freed() -> None:
+    """A game closed while the engine started makes the card's memory grow by less than was
+    allocated; the driver spills only on a (nearly) full card."""
+    facts = logged(SPILLED_START[:1])
+    assert facts.spilled((0,), card(9_000), card(15_850 + 2_000), uptime_s=9.0) is None
+
+
+def test_each_cuda_device_is_judged_against_its_own_card() -> None:
+    """CUDA numbers the engine's cards in CUDA_VISIBLE_DEVICES order: CUDA1 is the plan's second GPU."""
+    device_mib = {0: 12_000.0, 1: 23_900.0}
+    before = {2: CardMemory(500, RTX_4090_MIB), 3: CardMemory(1_900, RTX_4090_MIB)}
+    after = {2: CardMemory(12_800, RTX_4090_MIB), 3: CardMemory(24_400, RTX_4090_MIB)}
+
+    message = spill(device_mib, (2, 3), before, after)
+
+    assert message is not None and "GPU 3's memory" in message
+    assert spill(device_mib, (2, 3), before, {**after, 3: CardMemory(1_900 + 24_300, 26_000)}) is None
+    assert spill(device_mib, (2, 3), before, {2: after[2]}) is None  # a card NVML did not read: nothing said
+
+
+def test_without_a_reading_from_before_the_card_counts_as_empty() -> None:
+    assert spill({0: 25_242.75}, (0,), {}, card(24_310)) is not None
+    assert spill({0: 7_988.0}, (0,), {}, card(DESKTOP_MIB + 7_988 + 386)) is None

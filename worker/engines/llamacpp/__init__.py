@@ -1,7 +1,8 @@
 """llama.cpp's `llama-server`: the adapter. Its command line, environment, endpoints and planning
-are here; its log (`log.py`), arguments (`args.py`), /metrics names (`metrics.py`), what it
-says once ready (`ready.py`), whether a start fits the machine (`memory.py`, reading the
-model's header through `gguf.py`), its pinned builds (`releases.py`) and installer (`install.py`)
+are here; its log (`log.py`, and what it allocated on each card: `device_buffer`), arguments
+(`args.py`), /metrics names (`metrics.py`), what it says once ready (`ready.py`), whether a start
+fits the machine (`memory.py`, reading the model's header through `gguf.py`), its pinned builds
+(`releases.py`) and installer (`install.py`, reading a macOS build's files through `macho.py`)
 beside it.
 
 Pure. Strings and flags follow `shared/reference/engines.md` part B; log lines are read from
@@ -10,6 +11,7 @@ stderr, with or without `--log-prefix`/`--log-timestamps`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from worker.engines import layout
@@ -22,7 +24,7 @@ from worker.engines.llamacpp.install import install
 from worker.engines.llamacpp import memory
 from worker.engines.llamacpp.find import find_llama_server
 from worker.engines.llamacpp.hints import FAILURE_HINTS
-from worker.engines.llamacpp.log import parse_line
+from worker.engines.llamacpp.log import device_buffer, parse_line
 from worker.engines.llamacpp.metrics import NAMES as METRIC_NAMES
 from worker.engines.llamacpp.metrics import PREFIX as METRICS_PREFIX
 from worker.engines.llamacpp.metrics import derive_metrics
@@ -47,6 +49,10 @@ KEY_VARIABLE = "LLAMA_API_KEY"
 LOCAL_DEFAULTS = LocalDefaults(("--ctx-size", "4096"), {"8000": ("--ctx-size", "8192"),
                                                     "16000": ("--ctx-size", "16384")})
 PRIVATE_ENV_PREFIXES: tuple[str, ...] = ("LLAMA_ARG_",)  # any of its flags, set behind the command line
+# On Windows a start that does not fit spills into shared system memory instead of failing (CUDA's
+# sysmem fallback, driver 536.40 on), and the desktop's own use of the card grows while it serves:
+# each card is planned with this much more kept free there.
+WINDOWS_SPARE_MIB = 1024
 
 # /health and /v1/models are public; /metrics, /props and /slots need the key once one is set (B4).
 ENDPOINTS: Mapping[str, Endpoint] = {
@@ -89,11 +95,21 @@ def environment(base: Mapping[str, str], gpu_indices: Sequence[int], *, api_key:
 def units(machine: Machine, weights_mib: int, cap: float | None) -> list[Unit] | str:
     """One process over a whole group (it splits by layers), the Mac's working set, or RAM; no
     memory share to be held to, so `cap` is unused."""
-    return layout.whole_group_units(machine, weights_mib)
+    return layout.whole_group_units(_as_planned(machine), weights_mib)
 
 
 def capacity(machine: Machine, cap: float | None) -> str:
-    return layout.whole_group_capacity(machine)
+    return layout.whole_group_capacity(_as_planned(machine))
+
+
+def _as_planned(machine: Machine) -> Machine:
+    """The machine as llama.cpp is planned on it: on Windows each card keeps `WINDOWS_SPARE_MIB`
+    more free than measured usable (a start that does not fit there runs slowly, it does not fail)."""
+    if machine.runtime != "windows":
+        return machine
+    groups = tuple(dataclasses.replace(g, usable_mib_per_gpu=max(0, g.usable_mib_per_gpu - WINDOWS_SPARE_MIB))
+                   for g in machine.groups)
+    return dataclasses.replace(machine, groups=groups)
 
 
 def runtime_environment(machine: Machine, version: str | None) -> dict[str, str]:
@@ -121,6 +137,7 @@ __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
     "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX",
     "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES",
-    "capacity", "command", "derive_metrics", "environment", "find_installed", "install", "parse_line",
-    "ready_snapshot", "runtime_environment", "start_problem", "tier_warning", "units",
+    "WINDOWS_SPARE_MIB", "capacity", "command", "derive_metrics", "device_buffer", "environment",
+    "find_installed", "install", "parse_line", "ready_snapshot", "runtime_environment", "start_problem",
+    "tier_warning", "units",
 ]

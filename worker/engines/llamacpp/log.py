@@ -33,12 +33,14 @@ _SLOTS = re.compile(r"n_slots = (\d+), n_ctx_slot = (\d+)(?:, kv_unified = '(tru
 _KV_SIZE = re.compile(r"^llama_kv_cache(?:_unified)?:\s+(?:KV self )?size\s*=\s*([\d.]+) MiB(?: \(\s*(\d+) cells)?")
 _MODEL_LOADED = re.compile(r"llama_server: model loaded|main: model loaded")
 _LISTENING = re.compile(r"listening on (\S+)")
+# A buffer on a card (`CUDA0`, never the host's `CUDA_Host`): the weights, a KV or recurrent cache,
+# the compute buffer (engines.md B2). Their sum per card is what it allocated there.
+_DEVICE_BUFFER = re.compile(r"\bCUDA(\d+) +(?:model|KV|RS|compute) buffer size\s*=\s*([\d.]+) MiB")
 _OOM = re.compile(r"cudaMalloc failed: out of memory|failed to allocate \S+ buffer|failed to allocate compute")
 _FAILED = re.compile(
     r"exiting due to|failed to load model|failed to create_context|couldn't bind HTTP server socket|"
     r"error: invalid argument|error while handling argument"
 )
-
 
 
 def parse_line(line: str) -> LogFact | None:
@@ -64,3 +66,10 @@ def parse_line(line: str) -> LogFact | None:
     if _MODEL_LOADED.search(message):
         return PhaseReached("warming")
     return None
+
+
+def device_buffer(line: str) -> tuple[int, float] | None:
+    """(CUDA device number, MiB) where `line` says llama-server allocated a buffer on a card,
+    else None: what it holds on each card, to compare with what the card's memory grew by."""
+    match = _DEVICE_BUFFER.search(clean_line(line))
+    return (int(match.group(1)), float(match.group(2))) if match else None
