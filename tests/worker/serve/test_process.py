@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -269,3 +272,57 @@ async def test_a_windows_stop_ends_the_job_at_once_and_never_waits_the_grace(
     from ctypes import wintypes
     assert kernel32.TerminateJobObject.argtypes == [wintypes.HANDLE, wintypes.UINT]
     assert kernel32.AssignProcessToJobObject.argtypes == [wintypes.HANDLE, wintypes.HANDLE]
+
+
+# --- macOS: dying with the app without PR_SET_PDEATHSIG ---------------------------------------------
+
+MAC_APP = textwrap.dedent("""
+    import asyncio, os, sys, threading
+    from pathlib import Path
+    from worker.serve import process as procs
+
+    # The engine says whether the kernel would kill it with its parent (PR_GET_PDEATHSIG), then
+    # starts a child of its own in its process group, as vLLM starts EngineCore and a Worker.
+    ENGINE = ("import ctypes, subprocess, sys, time; "
+              "signal = ctypes.c_int(-1); ctypes.CDLL(None).prctl(2, ctypes.byref(signal), 0, 0, 0); "
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+              "print(child.pid, signal.value, flush=True); time.sleep(300)")
+
+    async def main(log):
+        real, sys.platform = sys.platform, "darwin"  # as spawn reads it on a Mac: no prctl there
+        try:
+            engine = procs.spawn([sys.executable, "-c", ENGINE], env=dict(os.environ), log_path=Path(log))
+        finally:
+            sys.platform = real
+        while not engine.tail:
+            await asyncio.sleep(0.02)
+        print(engine.pid, engine.tail[0], flush=True)
+        await asyncio.sleep(3600)
+
+    core = threading.Thread(target=asyncio.run, args=(main(sys.argv[1]),))
+    core.start()
+    core.join()
+""")
+
+
+def test_on_a_mac_the_guard_alone_ends_the_engine_and_its_children_when_the_app_is_killed(tmp_path: Path) -> None:
+    app = subprocess.Popen([sys.executable, "-c", MAC_APP, str(tmp_path / "engine.log")],
+                           cwd=Path(__file__).resolve().parents[3], stdout=subprocess.PIPE, text=True)
+    left: list[int] = []
+    try:
+        assert app.stdout is not None
+        engine, child, death_signal = map(int, app.stdout.readline().split())
+        left = [engine, child]
+        assert death_signal == 0  # no die-with-parent: the pipe guard is all there is, as on macOS
+        assert os.getpgid(child) == os.getpgid(engine) != os.getpgid(app.pid)
+        app.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in (engine, child)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in (engine, child)), "left behind after the app was killed"
+    finally:
+        app.kill()
+        app.wait()
+        for pid in left:  # only where the test failed: not to leave them to the next test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
