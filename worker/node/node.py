@@ -246,7 +246,6 @@ class Node:
         await self._engine_http.aclose()
         self._news.publish()
         await self._books.close()
-        self._awake.want(False)
         self._status_file.remove()  # unless the new version owns the folder after an update
 
     def _detect(self) -> Machine:

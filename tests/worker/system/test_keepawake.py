@@ -4,8 +4,12 @@ library (the prototypes ctypes is given, the arguments, the thread), never calle
 
 from __future__ import annotations
 
+import array
 import ctypes
 import logging
+import os
+import select
+import socket
 import threading
 from collections.abc import Callable
 from ctypes import wintypes
@@ -13,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jeepney import HeaderFields, new_error, new_method_return
+from jeepney.low_level import Parser
 
 from worker.system import keepawake
 from worker.system.keepawake import KeepAwake, LogindInhibitor, MacSleepAssertion, WindowsExecutionState
@@ -158,3 +164,99 @@ def test_each_platform_gets_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(keepawake.platform_assertion(), MacSleepAssertion)
     assert opened == ["/System/Library/Frameworks/IOKit.framework/IOKit",
                       "/System/Library/Frameworks/CoreFoundation.framework/CoreFoundation"]
+
+
+class SystemBus:
+    """A system D-Bus with logind on it, at the socket: the SASL conversation (EXTERNAL, file
+    descriptors agreed), `Hello`, then `Inhibit` answered with the write end of a pipe, as logind
+    does; the test keeps the read end and sees the inhibitor end when it reads EOF."""
+
+    def __init__(self, path: Path, refuse: str | None = None) -> None:
+        self.path, self._refuse = path, refuse
+        self.calls: list[tuple[str, Any]] = []
+        self.inhibitor_read_end: int | None = None
+        self._server = socket.socket(socket.AF_UNIX)
+        self._server.bind(str(path))
+        self._server.listen()
+        self._thread = threading.Thread(target=self._serve_one, daemon=True)
+        self._thread.start()
+
+    def _serve_one(self) -> None:
+        connection, _ = self._server.accept()
+        with connection:
+            lines = connection.makefile("rb")
+            assert lines.readline().startswith(b"\0AUTH EXTERNAL ")
+            connection.sendall(b"OK 0123456789abcdef0123456789abcdef\r\n")
+            assert lines.readline() == b"NEGOTIATE_UNIX_FD\r\n"
+            connection.sendall(b"AGREE_UNIX_FD\r\n")
+            assert lines.readline() == b"BEGIN\r\n"
+            parser = Parser()
+            while (message := self._next(parser, lines)) is not None:
+                member = message.header.fields[HeaderFields.member]
+                self.calls.append((member, message.body))
+                if member == "Hello":
+                    self._send(connection, new_method_return(message, "s", (":1.42",)))
+                elif self._refuse is not None:
+                    self._send(connection, new_error(message, self._refuse, "s", ("Permission denied",)))
+                else:
+                    self.inhibitor_read_end, write_end = os.pipe()
+                    self._send(connection, new_method_return(message, "h", (write_end,)), write_end)
+                    os.close(write_end)
+
+    @staticmethod
+    def _next(parser: Parser, lines: Any) -> Any:
+        while (message := parser.get_next_message()) is None:
+            data = lines.read1(4096)
+            if not data:
+                return None
+            parser.add_data(data)
+        return message
+
+    @staticmethod
+    def _send(connection: socket.socket, message: Any, *fds: int) -> None:
+        sent: list[int] = []
+        data = message.serialise(serial=7, fds=sent)
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent))] if sent else []
+        connection.sendmsg([data], ancillary)
+
+    def close(self) -> None:
+        self._server.close()
+        self._thread.join(5)
+        if self.inhibitor_read_end is not None:
+            os.close(self.inhibitor_read_end)
+
+
+def inhibitor_ended(read_end: int) -> bool:
+    ready, _, _ = select.select([read_end], [], [], 5)
+    return bool(ready) and os.read(read_end, 1) == b""
+
+
+def test_linux_holds_loginds_sleep_and_idle_inhibitor_until_released(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bus = SystemBus(tmp_path / "system_bus_socket")
+    monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", f"unix:path={bus.path}")
+    try:
+        awake = KeepAwake(LogindInhibitor())
+        awake.want(True)
+        assert awake.held
+        [_, (member, body)] = bus.calls
+        assert member == "Inhibit" and body[0] == "sleep:idle" and body[1] == "GPU Provider" and body[3] == "block"
+        assert bus.inhibitor_read_end is not None
+        assert not select.select([bus.inhibitor_read_end], [], [], 0.2)[0]  # held: the write end is open here
+        awake.want(False)
+        assert inhibitor_ended(bus.inhibitor_read_end)
+    finally:
+        bus.close()
+
+
+def test_linux_logind_refusing_is_logged_and_nothing_is_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    bus = SystemBus(tmp_path / "system_bus_socket", refuse="org.freedesktop.DBus.Error.AccessDenied")
+    monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", f"unix:path={bus.path}")
+    try:
+        awake = KeepAwake(LogindInhibitor())
+        with caplog.at_level(logging.WARNING, logger="worker.system.keepawake"):
+            awake.want(True)
+        assert not awake.held and "Permission denied" in caplog.records[0].getMessage()
+    finally:
+        bus.close()
