@@ -1,10 +1,11 @@
 """The llama.cpp builds this app version ships with, each release asset pinned by its sha256 and
 size (`releases.Releases` for llama.cpp).
 
-An asset that was replaced on the release page is refused even when the page's own digest agrees
-with it. The b10423 pins were taken from two public projects that pin the same official GitHub
-release assets (their values agree where they overlap); check them against GitHub's release API
-digests whenever the list is updated.
+Each asset is downloaded by its pinned name and checked against its pin alone, so an asset replaced
+on the release page is refused whatever the page says. The b10423 pins were taken from two public
+projects that pin the same official GitHub release assets (their values agree where they overlap);
+`scripts/check_llamacpp_pins.py` checks every pin against GitHub's published digests, and each
+macOS build against the oldest macOS the app supports, whenever the list is updated.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ async def test_an_old_llama_server_on_path_gets_the_shipped_build_installed(
     chosen = plan(machine, assign(llamacpp=GGUF), Settings())
     assert isinstance(chosen, Plan), chosen
 
-    executable, _ = await assignment._engine_executable(chosen, machine, Paths.under(tmp_path), print, {})
+    engine = await assignment._engine_executable(chosen, machine, Paths.under(tmp_path), print, {})
 
-    assert executable == (str(Paths.under(tmp_path).engines_dir / f"llamacpp-{build}" / "build/bin/llama-server"),)
+    assert engine.executable == (str(Paths.under(tmp_path).engines_dir / f"llamacpp-{build}" / "build/bin/llama-server"),)
     assert server.requests_for(f"download/{build}/{name}")
