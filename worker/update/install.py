@@ -46,6 +46,7 @@ EXECUTABLE_NAME = {
 HANDED_OFF_ENV = "GPU_PROVIDER_HANDED_OFF"
 HELLO_MARKER_NAME = "update-hello.json"
 MACOS_METADATA_FOLDER = "__MACOSX"  # where the Finder's zip keeps AppleDouble files
+CODESIGN = "/usr/bin/codesign"  # by its path: a PATH entry must not stand in for the check
 CODESIGN_TIMEOUT_S = 300.0  # --deep hashes every file of the bundle: hundreds of MB
 
 
@@ -247,7 +248,7 @@ def _verify_app_bundle(build: Path, executable_name: str) -> None:
     bundle = executable_name.split("/", 1)[0]
     if sys.platform != "darwin" or not bundle.endswith(".app"):
         return
-    argv = ["codesign", "--verify", "--deep", "--strict", str(build / bundle)]
+    argv = [CODESIGN, "--verify", "--deep", "--strict", str(build / bundle)]
     try:
         result = children.run(argv, timeout_s=CODESIGN_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:

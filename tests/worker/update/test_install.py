@@ -153,7 +153,7 @@ def test_a_mac_bundle_is_verified_by_codesign_before_it_is_installed(
     assert (folder / MAC_EXECUTABLE).is_file()
     assert len(codesign.calls) == 1
     *command, bundle = codesign.calls[0]
-    assert command == ["codesign", "--verify", "--deep", "--strict"]
+    assert command == ["/usr/bin/codesign", "--verify", "--deep", "--strict"]
     assert bundle.startswith(str(install.staging_dir)) and bundle.endswith("/GPU Provider.app")
 
 
