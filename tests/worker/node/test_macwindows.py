@@ -116,6 +116,12 @@ async def test_an_ignored_app_full_screen_does_not_pause_and_an_unreadable_list_
     assert await pauser.tick() is None  # the list is gone now: logged once, nothing paused
 
 
+async def test_a_browser_playing_a_video_full_screen_is_not_a_game() -> None:
+    safari_full = window("Safari", 2210, 0, 0, 0, 1512, 982)
+    pauser = mac_pauser(FakeNode(), RecordedWindowList([safari_full, *DESKTOP_NOW[:2]]), Settings(), [0.0])
+    assert await pauser.tick() is None
+
+
 def test_where_games_cannot_all_be_seen_the_setting_says_so() -> None:
     assert detection_limit(nvml=True, platform="linux") is None
     assert detection_limit(nvml=True, platform="win32") is None
