@@ -3,7 +3,8 @@
 detect → hello → assign → plan → provision → supervise → relay → measure, plus pause, resume,
 update and shutdown. Each part owns its state: the coordinator connection (`Uplink`), the engines
 (`EngineSet`), the GPUs (`GpuWatch`), the relay's measurements (`Metering`, the relay's hooks),
-the ledger (`Books`), who hears what and when (`Publisher`, with the `StatusFile`); `node_view`
+the ledger (`Books`), who hears what and when (`Publisher`, with the `StatusFile`), whether the
+computer may sleep (`KeepAwake`: not while an engine serves); `node_view`
 builds what the node shows and reports. The Node composes them on one asyncio loop, keeps the
 assignment, the plan and the pause, and turns coordinator messages and user commands into actions
 in the right order: what to do is `policy`'s to decide, pure, and the Node carries it out; the
