@@ -39,8 +39,7 @@ def fake(tmp_path: Path) -> Iterator[FakeWsl]:
 
 
 def environment(fake: FakeWsl, **extra: str) -> dict[str, str]:
-    env = {name: value for name, value in os.environ.items() if name not in ("WSL_UTF8", "WSLENV")}
-    env["PATH"] = f"{fake.bin_dir}{os.pathsep}{env['PATH']}"
+    env = fake.environment({name: value for name, value in os.environ.items() if name not in ("WSL_UTF8", "WSLENV")})
     env.update(extra)
     return env
 
@@ -138,11 +137,11 @@ def test_app_folders_are_absent_inside_and_the_distro_has_its_own(fake: FakeWsl,
               f"test -e {hidden_repo_file} && echo repo-tools; "
               f"test -e {Path(sys.executable).resolve()} || echo no-python; "
               "test -e /usr/bin/python3 && echo system-python; "
-              "echo home > ~/made-inside; ls -A /tmp; wslpath -w ~/made-inside")
+              "echo home > ~/made-inside; ls -A /tmp; wslpath -w ~/made-inside; wslpath -u 'C:\\Users\\Jos'")
     shown = wsl(fake, "--cd", "~", "-e", "bash", "-c", script)
     assert shown.returncode == 0, shown.stderr
     made = fake.home("Ubuntu") / "made-inside"
-    assert shown.stdout.decode().splitlines() == ["system-python", str(made)]
+    assert shown.stdout.decode().splitlines() == ["system-python", str(made), "/mnt/c/Users/Jos"]
     assert made.read_text() == "home\n"
     assert fake.linux_path_on_host("Ubuntu", "~/made-inside") == made
 
@@ -182,6 +181,40 @@ def test_tcp_inside_is_reachable_from_host_with_streaming(fake: FakeWsl) -> None
             assert received[-1][0] - received[0][0] > 0.3  # it arrived as it was sent, not all at once
         assert len(results) == 8
         assert not _connects(free_port())  # a port nothing listens on inside is not forwarded
+    finally:
+        inside.kill()
+        inside.wait()
+
+
+def test_wildcard_and_ipv6_listeners_are_forwarded_too(fake: FakeWsl) -> None:
+    ports = {address: free_port() for address in ("0.0.0.0", "::", "::1", "::ffff:127.0.0.1")}
+    server = textwrap.dedent(f"""
+        import socket, threading
+        def serve(address, port):
+            srv = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+            srv.bind((address, port))
+            srv.listen(4)
+            ready.release()
+            while True:
+                conn, _ = srv.accept()
+                conn.sendall(address.encode())
+                conn.close()
+        ready = threading.Semaphore(0)
+        for address, port in {ports!r}.items():
+            threading.Thread(target=serve, args=(address, port), daemon=True).start()
+        for _ in range(4):
+            ready.acquire()
+        print("up", flush=True)
+        input()
+    """)
+    inside = subprocess.Popen(["wsl.exe", "-e", "python3", "-c", server], env=environment(fake),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert inside.stdout is not None and inside.stdout.readline() == b"up\n"
+        for address, port in ports.items():
+            eventually(lambda: _connects(port))
+            with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as conn:
+                assert conn.recv(64) == address.encode()
     finally:
         inside.kill()
         inside.wait()
@@ -279,3 +312,17 @@ def test_python3_venv_needs_without_pip_as_on_stock_ubuntu(fake: FakeWsl) -> Non
     assert venv_python.exists()
     ran = wsl(fake, "-e", "/home/lender/venv/bin/python3", "-c", "import sys; print(sys.prefix)")
     assert ran.stdout == b"/home/lender/venv\n"
+    around = wsl(fake, "--cd", "~", "-e", "/usr/bin/python3", "-m", "venv", "other")  # not round the wrapper either
+    assert around.returncode == 1
+    for no_pip in (["python3", "-m", "pip", "--version"], ["pip3", "install", "vllm"]):
+        assert wsl(fake, "-e", *no_pip).returncode != 0
+
+
+def test_ensurepip_when_the_distro_has_python3_venv(tmp_path: Path) -> None:
+    with_venv = install_fake_wsl(tmp_path / "bin", [FakeDistro("Ubuntu")], ensurepip=True)
+    try:
+        shown = wsl(with_venv, "-e", "python3", "-m", "ensurepip", "--version")
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.startswith(b"pip ")
+    finally:
+        with_venv.kill_all()

@@ -12,7 +12,8 @@ import os
 import shutil
 import signal
 import stat
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -22,6 +23,8 @@ SCRIPT = HERE / "wsl.exe"
 TOOLS = HERE / "tools"
 CONFIG_NAME = "fake-wsl.json"
 STATE_DIR_NAME = "fake-wsl-state"
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+PYTHON_MINOR = SYSTEM_PYTHON.resolve().name  # python3.11: stock Ubuntu's versioned name, same wrapper
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,12 @@ class FakeWsl:
     @property
     def executable(self) -> Path:
         return self.bin_dir / "wsl.exe"
+
+    def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """`base` (the test's own environment by default) with this `wsl.exe` first on PATH."""
+        env = dict(os.environ if base is None else base)
+        env["PATH"] = os.pathsep.join(filter(None, [str(self.bin_dir), env.get("PATH")]))
+        return env
 
     def root(self, distro: str) -> Path:
         root = self.distros[distro].root
@@ -88,21 +97,24 @@ class FakeWsl:
         state = self._state(distro)
         return state is not None and _ns_of(state["agent"]) == state["mnt_ns"]
 
-    def kill_all(self) -> None:
-        """SIGKILL everything inside every distro, then the distros' inits (test clean-up)."""
+    def kill_all(self, timeout_s: float = 5.0) -> None:
+        """SIGKILL everything inside every distro and the distros' inits, and wait (bounded) until
+        they are gone: test clean-up, and `wsl --shutdown` as Docker Desktop or an update does it."""
+        doomed: list[int] = []
         for name in self.distros:
             state = self._state(name)
-            if state is None:
-                continue
-            pids = _members(state["mnt_ns"], set()) if _ns_of(state["agent"]) == state["mnt_ns"] else []
-            for pid in [*pids, state["agent"], state["holder"]]:
-                if pid == state["holder"] and not _is_holder(pid, self.bin_dir):
-                    continue
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if state is None or _ns_of(state["agent"]) != state["mnt_ns"]:
+                continue  # stopped (a dead init's pid may be a stranger's now)
+            doomed += [*_members(state["mnt_ns"], set()), state["holder"]]
             (self.bin_dir / STATE_DIR_NAME / f"{name}.json").unlink(missing_ok=True)
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        while any(_ns_of(pid) is not None for pid in doomed) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def install_fake_wsl(bin_dir: Path, distros: Sequence[FakeDistro], *, hide: Sequence[Path] = (),
@@ -127,10 +139,12 @@ def install_fake_wsl(bin_dir: Path, distros: Sequence[FakeDistro], *, hide: Sequ
 
 
 def _write_tools(folder: Path, name: str, root: Path, ensurepip: bool) -> None:
-    """The distro's /usr/local/bin: `wslpath`, a `python3` as stock Ubuntu's, no working `sudo`."""
+    """The distro's /usr/local/bin: `wslpath`, a `python3` as stock Ubuntu's, no working `sudo`, no pip."""
     folder.mkdir(parents=True, exist_ok=True)
-    for tool in ("wslpath", "python3", "sudo"):
-        text = (TOOLS / tool).read_text()
+    tools = {"wslpath": "wslpath", "python3": "python3", PYTHON_MINOR: "python3", "sudo": "sudo", "pip": "pip",
+             "pip3": "pip"}
+    for tool, template in tools.items():
+        text = (TOOLS / template).read_text()
         text = text.replace("@DISTRO@", json.dumps(name)).replace("@ROOT@", json.dumps(str(root)))
         text = text.replace("@ENSUREPIP@", "True" if ensurepip else "False")
         (folder / tool).write_text(text)
@@ -147,12 +161,3 @@ def _ns_of(pid: int) -> str | None:
 def _members(mnt_ns: str, exclude: set[int]) -> list[int]:
     return sorted(int(entry.name) for entry in os.scandir("/proc")
                   if entry.name.isdigit() and int(entry.name) not in exclude and _ns_of(int(entry.name)) == mnt_ns)
-
-
-def _is_holder(pid: int, bin_dir: Path) -> bool:
-    """The recorded init is still ours (its pid was not reused by a stranger)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return str(bin_dir / "wsl.exe").encode() in cmdline or b"wsl.exe" in cmdline
