@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import re
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,7 +28,7 @@ from typing import Protocol
 
 import httpx
 
-from worker.system.config import private_opener
+from worker.system.config import private_opener, replace_file
 from worker.provision.hosts import HostRefused, url_refusal
 
 log = logging.getLogger(__name__)
@@ -187,7 +186,7 @@ class Downloader:
         except (TooLarge, Damaged):
             part.unlink(missing_ok=True)
             raise
-        os.replace(part, dest)
+        replace_file(part, dest)
         return dest
 
     async def _transfer_with_retries(self, url: str, part: Path, meter: Meter, max_bytes: int | None) -> None:

@@ -31,7 +31,7 @@ from typing import Literal
 
 from worker.system import children
 from worker.system.autostart import LAUNCHER_ENV
-from worker.system.config import Paths
+from worker.system.config import Paths, replace_file
 from worker.update.verify import UpdateRefused, is_newer, parse_version
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class InstallRoot:
         temporary = path.with_name(f".{name}.{os.getpid()}.tmp")
         temporary.unlink(missing_ok=True)
         temporary.symlink_to(Path("versions") / version, target_is_directory=True)
-        os.replace(temporary, path)
+        replace_file(temporary, path)
 
     def _clear_pointer(self, name: str) -> None:
         self._pointer_path(name).unlink(missing_ok=True)
@@ -178,7 +178,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(temporary, path)
+        replace_file(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
@@ -205,7 +205,7 @@ def unpack(archive: Path, install: InstallRoot, version: str) -> Path:
                 raise UpdateRefused(f"version {version} is already the current one")
             shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(build, target)
+        replace_file(build, target)
         return target
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
