@@ -107,9 +107,9 @@ def test_double_dash_reparses_through_the_shell_and_exec_does_not(fake: FakeWsl)
 def test_exit_status_stdio_and_missing_program(fake: FakeWsl) -> None:
     echoed = wsl(fake, "-e", "sh", "-c", "cat; echo err >&2; exit 7", input=b"through stdin")
     assert (echoed.returncode, echoed.stdout, echoed.stderr) == (7, b"through stdin", b"err\n")
-    missing = wsl(fake, "-e", "no-such-program", WSL_UTF8="1")
+    missing = wsl(fake, "-e", "no-such-program")
     assert missing.returncode == 1
-    assert b"no-such-program" in missing.stderr
+    assert b"execvpe(no-such-program) failed: No such file or directory" in missing.stderr
     no_sudo = wsl(fake, "-e", "sudo", "apt-get", "install", "-y", "python3-venv")
     assert no_sudo.returncode != 0
     assert b"sudo: a terminal is required" in no_sudo.stderr

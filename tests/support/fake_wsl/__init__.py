@@ -46,10 +46,6 @@ class FakeWsl:
     bin_dir: Path
     distros: dict[str, FakeDistro]
 
-    @property
-    def executable(self) -> Path:
-        return self.bin_dir / "wsl.exe"
-
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """`base` (the test's own environment by default) with this `wsl.exe` first on PATH."""
         env = dict(os.environ if base is None else base)
@@ -78,33 +74,29 @@ class FakeWsl:
             raise ValueError(f"{linux_path} is in the distro's private /tmp: no host path stands for it")
         return Path(path)
 
-    def _state(self, distro: str) -> dict[str, Any] | None:
+    def _running(self, distro: str) -> dict[str, Any] | None:
+        """The running distro's record. Its namespace is trusted only while its agent is alive in
+        it: namespace numbers are reused, and a stale one may be another test's distro now."""
         try:
             state: dict[str, Any] = json.loads((self.bin_dir / STATE_DIR_NAME / f"{distro}.json").read_text())
         except (OSError, ValueError):
             return None
-        return state
+        return state if _ns_of(state["agent"]) == state["mnt_ns"] else None
 
     def processes(self, distro: str) -> list[int]:
         """Host pids of every live process started inside `distro` (grandchildren included; the
         fake's own init is not one of them)."""
-        state = self._state(distro)
-        if state is None:
-            return []
-        return _members(state["mnt_ns"], {state["agent"], state["holder"]})
-
-    def running(self, distro: str) -> bool:
-        state = self._state(distro)
-        return state is not None and _ns_of(state["agent"]) == state["mnt_ns"]
+        state = self._running(distro)
+        return [] if state is None else _members(state["mnt_ns"], {state["agent"]})
 
     def kill_all(self, timeout_s: float = 5.0) -> None:
         """SIGKILL everything inside every distro and the distros' inits, and wait (bounded) until
         they are gone: test clean-up, and `wsl --shutdown` as Docker Desktop or an update does it."""
         doomed: list[int] = []
         for name in self.distros:
-            state = self._state(name)
-            if state is None or _ns_of(state["agent"]) != state["mnt_ns"]:
-                continue  # stopped (a dead init's pid may be a stranger's now)
+            state = self._running(name)
+            if state is None:
+                continue
             doomed += [*_members(state["mnt_ns"], set()), state["holder"]]
             (self.bin_dir / STATE_DIR_NAME / f"{name}.json").unlink(missing_ok=True)
         for pid in doomed:
