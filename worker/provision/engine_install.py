@@ -36,6 +36,7 @@ from worker.provision.errors import ProvisionError
 from worker.provision.hosts import download_client
 from worker.provision.problems import Downloader, fetch
 from worker.provision.progress import ProgressCallback
+from worker.system import wsl
 from worker.system.config import Paths
 
 async def ensure_engine(
@@ -103,7 +104,7 @@ def wsl_place(name: str, distro: str | None, *,
               which: Callable[[str], str | None] = shutil.which) -> InstallPlace:
     """The engines folder inside the WSL2 distribution `distro` (detection's); a person without
     WSL2, or without a distribution for it, is told how to get one."""
-    if distro is None or which("wsl.exe") is None:
+    if distro is None or which(wsl.WSL_EXE) is None:
         raise ProvisionError(
             Problem(
                 f"{name} needs WSL2",

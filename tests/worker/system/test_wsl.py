@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -139,3 +140,37 @@ def test_a_failing_command_inside_is_an_error(monkeypatch) -> None:
         wsl.home(None)
     with pytest.raises(ValueError):
         wsl.host_folder(PurePosixPath("relative/x"), distro=None)
+
+
+# --- the lint: one place builds a WSL command line ---------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[3]
+_WSL_WORDS = {"wsl.exe", "--cd"}  # what a command line into WSL2 cannot be built without
+
+
+def _wsl_words_in(path: Path) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}"
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() in _WSL_WORDS]
+
+
+def test_every_wsl_command_line_is_built_by_wsl_command() -> None:
+    """So none takes the `--` form (the distribution's shell re-parses that one): `command` is
+    the one builder, and it has no `--`."""
+    sources = sorted((ROOT / "worker").rglob("*.py")) + sorted((ROOT / "app").rglob("*.py"))
+    builder = ROOT / "worker" / "system" / "wsl.py"
+    assert [word for path in sources if path != builder for word in _wsl_words_in(path)] == []
+    assert _wsl_words_in(builder)  # the lint sees the words where they are
+
+
+def test_wslenv_carries_names_only_never_a_value() -> None:
+    env = wsl.with_wslenv({}, {"VLLM_API_KEY": "k-secret-123", "HF_TOKEN": "hf_abc"})
+    assert all("/" in entry and entry.split("/")[0].isidentifier() for entry in env["WSLENV"].split(":"))
+    assert "k-secret-123" not in env["WSLENV"] and "hf_abc" not in env["WSLENV"]
+
+
+def test_the_listing_never_hands_wsl_the_provider_token(monkeypatch) -> None:
+    listing = _Listing(b"* Ubuntu  Running  2\n")
+    monkeypatch.setattr(children, "run_bytes", listing)
+    assert [d.name for d in wsl.list_distros(base={"GPU_PROVIDER_TOKEN": "tok", "PATH": "/bin"})] == ["Ubuntu"]
+    assert "GPU_PROVIDER_TOKEN" not in listing.calls[0][2] and listing.calls[0][2]["PATH"] == "/bin"
