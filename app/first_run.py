@@ -236,7 +236,8 @@ class FirstRunFlow(QWizard):
             autostart.apply_setting(self._startup, was_on=self.settings.start_at_login, now_on=updated.start_at_login)
             self._bridge.save_settings(updated)  # the core saves and applies them
         except OSError as exc:
-            self.habits_page.error.setText(f"Could not save the settings ({exc}). Check that the folder is "
+            self.habits_page.error.setText(str(exc) if isinstance(exc, autostart.AutostartRefused) else
+                                           f"Could not save the settings ({exc}). Check that the folder is "
                                            "writable, then press Start again.")
             self.habits_page.error.show()
             return

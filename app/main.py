@@ -139,6 +139,18 @@ class DesktopApp(QObject):
         self.logs: LogsWindow | None = None
         self.server = QLocalServer(self)
         self.server.newConnection.connect(self._on_instance_connection)
+        self._refresh_login_item()
+
+    def _refresh_login_item(self) -> None:
+        """Start at login names this app as it is installed now (an entry an older version wrote
+        into `versions/<v>` stops working once that folder is pruned)."""
+        if not self.settings.start_at_login:
+            return
+        try:
+            if autostart.refresh(self._login_item()):
+                log.info("start at login now points at this app again")
+        except OSError as exc:
+            log.warning("could not repair start at login: %s", exc)
 
     def request_quit(self) -> None:
         """SIGTERM, Ctrl-C, logout, `--quit-after`: as the tray's Quit, which says "Stopping…" at once."""

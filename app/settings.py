@@ -208,6 +208,11 @@ class SettingsDialog(QDialog):
         self.auto_pause = QCheckBox("Pause when a game or another app uses the GPU")
         self.auto_pause.setChecked(s.auto_pause_for_games)
         form.addRow(self.auto_pause)
+        self.game_detection = QLabel(self._bridge.latest.game_detection or "")
+        self.game_detection.setObjectName("hint")
+        self.game_detection.setWordWrap(True)
+        self.game_detection.setVisible(bool(self._bridge.latest.game_detection))  # said only where games can be missed
+        form.addRow(self.game_detection)
         self.keep_awake = QCheckBox("Keep this computer awake while it serves")
         self.keep_awake.setChecked(s.keep_awake_while_serving)
         self.keep_awake.setToolTip("A computer that goes to sleep stops serving. It may sleep again as soon as "
@@ -361,6 +366,9 @@ class SettingsDialog(QDialog):
         try:
             autostart.apply_setting(self._startup, was_on=self.settings.start_at_login, now_on=updated.start_at_login)
             self._bridge.save_settings(updated)  # the core saves and applies them
+        except autostart.AutostartRefused as exc:  # its words say what to do; the folder is not the problem
+            self._show_error([str(exc)])
+            return
         except OSError as exc:
             self._show_error([f"Could not save ({exc}). Check that the folder is writable, then try again."])
             return

@@ -340,3 +340,19 @@ def test_a_quit_after_the_core_failed_ends_at_once(qtbot, tmp_path, node, monkey
     assert not ended  # the app stays up to say so
     app.quit()
     assert ended
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_start_at_login_left_by_an_older_version_is_repaired_at_start(qtbot, tmp_path, node, monkeypatch, on):
+    """An entry an earlier version wrote into its own `versions/<v>` folder (pruned two updates
+    later) is rewritten to start this app, only while the person has the setting on."""
+    from worker.system import autostart
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    stale = autostart.XdgAutostart([str(tmp_path / "app" / "versions" / "1" / "gpu-provider"), "--minimized"])
+    stale.enable()
+    app = DesktopApp(QApplication.instance(), node, Paths.under(tmp_path),
+                     Settings(setup_complete=True, start_at_login=on), tray_available=False, redact=lambda text: text)
+    qtbot.addWidget(app.dashboard)
+    assert app._login_item().is_current() is on
+    assert stale.path.is_file()  # never removed: the person's choice stays

@@ -180,3 +180,17 @@ def test_a_save_the_core_could_not_write_is_explained_and_nothing_is_applied(qtb
     dialog.save_button.click()
     assert "Could not save" in dialog.error.text() and dialog.isVisible()
     assert node.commands == [] and dialog.settings == Settings()
+
+
+def test_the_game_pause_says_where_games_can_be_missed(qtbot, paths, bridge, node, login_item):
+    from dataclasses import replace
+
+    from worker.node import autopause
+
+    assert dialog_for(qtbot, paths, bridge, login_item).game_detection.isHidden()  # NVML sees games here
+    words = autopause.detection_limit(nvml=False, platform="darwin", window_list=lambda: [])
+    assert words
+    node.emit(replace(snapshots.idle(), game_detection=words))
+    dialog = dialog_for(qtbot, paths, bridge, login_item)
+    assert dialog.game_detection.text() == words
+    assert not dialog.game_detection.isHidden()

@@ -209,6 +209,7 @@ class NodeSnapshot:
     stopping: bool = False  # quitting: draining `in_flight` requests, then stopping the engines
     update_ready: str | None = None  # a downloaded, verified update's version, applied on restart
     last_capacity: MeasuredCapacity | None = None  # the latest run's measured capacity, kept across pauses
+    game_detection: str | None = None  # where not every game can be seen: what auto-pause sees, in words
 
     def without_clock(self) -> NodeSnapshot:
         """The snapshot with the fields that move every tick zeroed: equal ones look the same."""

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from worker.contract import protocol
 from worker.node import policy
+from worker.node import autopause
 from worker.node.autopause import AutoPauser
 from worker.system.config import Paths, Settings, State, load_state, save_state
 from worker.system.config import save_settings as write_settings
@@ -101,6 +102,7 @@ class Node:
 
         self._owner = DataFolderLock(self.paths)
         self._gpus = GpuWatch(nvml)
+        self._game_detection: str | None = None  # known once the machine is: what auto-pause can see
         self._engines = EngineSet(self.paths, self._gpus, on_event=self._on_engine_change,
                                   remeasure=self._remeasure_memory)
         self._books = Books(self.paths.ledger_file, lambda: self.settings.currency,
@@ -205,6 +207,7 @@ class Node:
         self.machine = await asyncio.to_thread(self._detect)
         if self._gpus.nvml is None and self._hardware_override is None and self.machine.gpus:
             self._gpus.nvml = PynvmlSource(library=find_wsl_nvml_library() if self.machine.runtime == "wsl2" else None)
+        self._game_detection = await asyncio.to_thread(autopause.detection_limit, nvml=self._gpus.nvml is not None)
         await asyncio.to_thread(self._books.open)
         try:
             await self._step(policy.ProblemFound(await self._uplink.open(self.machine)))  # a local model that cannot be served
@@ -573,6 +576,7 @@ class Node:
             last_capacity=self._metering.last_capacity,
             stopping=self._held.stopping,
             update_ready=self._updater.ready_version if self._updater else None,
+            game_detection=self._game_detection,
         )
 
     # --- updates --------------------------------------------------------------------------

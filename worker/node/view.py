@@ -199,6 +199,7 @@ def build_snapshot(
     last_capacity: MeasuredCapacity | None = None,
     stopping: bool = False,
     update_ready: str | None = None,
+    game_detection: str | None = None,
 ) -> NodeSnapshot:
     """The `NodeSnapshot` the app renders. `lent`: the cards the user lends (None: all);
     `earnings` None until the ledger was first read; `last_capacity` the latest run's measured
@@ -232,6 +233,7 @@ def build_snapshot(
         detecting=machine is None,
         stopping=stopping,
         update_ready=update_ready,
+        game_detection=game_detection,
         **kwargs,
     )
 

@@ -98,3 +98,14 @@ async def test_the_computer_is_kept_awake_exactly_while_an_engine_serves(tmp_pat
         assert power.held
     assert power.events == ["acquire", "release", "acquire", "release", "acquire", "release", "acquire", "release"]
     assert wrong == []
+
+
+async def test_the_snapshot_says_what_the_game_pause_can_see(tmp_path: Path, vllm_standin: Path) -> None:
+    """The settings show it beside "Pause for games": a Linux machine without NVML cannot see a
+    game, and says so."""
+    from worker.node import autopause
+
+    async with running_node(tmp_path, vllm(vllm_standin), assign=vllm_assign(model_folder(tmp_path))) as run:
+        await run.status("ready")
+        assert run.node._gpus.nvml is None  # no NVIDIA card: a game is seen only by its full screen, or not at all
+        assert run.node.snapshot().game_detection == autopause.GAMES_NOT_SEEN
