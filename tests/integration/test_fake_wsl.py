@@ -6,10 +6,12 @@ Ubuntu's python3 without ensurepip."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -144,6 +146,25 @@ def test_app_folders_are_absent_inside_and_the_distro_has_its_own(fake: FakeWsl,
     assert shown.stdout.decode().splitlines() == ["system-python", str(made), "/mnt/c/Users/Jos"]
     assert made.read_text() == "home\n"
     assert fake.linux_path_on_host("Ubuntu", "~/made-inside") == made
+
+
+def test_an_app_folder_made_after_the_distro_started_is_covered_too(tmp_path: Path) -> None:
+    outside = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="fake-wsl-test-"))  # not the distro's /tmp
+    later = outside / "app-data"
+    late = install_fake_wsl(tmp_path / "bin", [FakeDistro("Ubuntu")], hide=[later])
+    sleeper = subprocess.Popen(["wsl.exe", "-e", "sleep", "30"], env=environment(late))
+    try:
+        eventually(lambda: late.processes("Ubuntu"))
+        later.mkdir()
+        (later / "settings.json").write_text("{}")
+        (outside / "not-hidden").write_text("")
+        eventually(lambda: wsl(late, "-e", "test", "!", "-e", str(later / "settings.json")).returncode == 0)
+        assert wsl(late, "-e", "test", "-e", str(outside / "not-hidden")).returncode == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        late.kill_all()
+        shutil.rmtree(outside)
 
 
 def test_tcp_inside_is_reachable_from_host_with_streaming(fake: FakeWsl) -> None:
