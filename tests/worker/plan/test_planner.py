@@ -112,7 +112,7 @@ def test_apple_silicon_gets_llama_cpp_over_the_working_set():
     result = plan(replay("m4-max-128gb.json"), assign(16500), Settings(), model_path="/cache/q.gguf")
     assert isinstance(result, Plan) and result.engine == "llamacpp"
     (engine,) = result.engines
-    assert (engine.gpu_indices, engine.layout, engine.memory_mib, engine.tier) == ((), "single", 98304, "40000")
+    assert (engine.gpu_indices, engine.layout, engine.memory_mib, engine.tier) == ((0,), "single", 98304, "40000")
     assert engine.argv() == [
         "llama-server", "-m", "/cache/q.gguf", "--ctx-size", "32768", "--ctx-size", "65536", "--fit", "off",
         "--host", "127.0.0.1", "--port", "18100", "--alias", "qwen3.8-27b", "--metrics",
@@ -140,14 +140,15 @@ def _machine(runtime: str, groups: tuple[GpuGroup, ...], **extra: Any) -> Machin
 
 
 def test_windows_runs_one_llama_cpp_engine_splitting_layers_over_the_whole_group():
-    group = GpuGroup((0, 1), "NVIDIA GeForce RTX 4090", 20600, compute_capability="8.9")
+    # 21,624 MiB usable per card, less the 1,024 MiB llama.cpp keeps spare on Windows
+    group = GpuGroup((0, 1), "NVIDIA GeForce RTX 4090", 21624, compute_capability="8.9")
     result = plan(_machine("windows", (group,)), assign(30000), Settings())
     assert layout_of(result) == [((0, 1), "layers", 41200, "40000")]
     assert result.engine == "llamacpp" and result.engines[0].tensor_parallel == 1
 
 
 def test_llama_cpp_on_one_card_is_single():
-    group = GpuGroup((0,), "NVIDIA GeForce RTX 4090", 20600, compute_capability="8.9")
+    group = GpuGroup((0,), "NVIDIA GeForce RTX 4090", 21624, compute_capability="8.9")
     assert layout_of(plan(_machine("windows", (group,)), assign(6000), Settings())) == [((0,), "single", 20600, None)]
 
 
