@@ -311,6 +311,39 @@ def test_killing_wsl_exe_leaves_the_linux_process_running_with_stdin_at_eof(fake
     eventually(lambda: not fake.processes("Ubuntu"))
 
 
+def test_without_root_the_distro_is_a_user_namespace_run_by_the_host_python(tmp_path: Path) -> None:
+    """A developer's machine: no root (CI drops to nobody to get there), /usr/bin/python3 only."""
+    unprivileged = 65534 if os.geteuid() == 0 else os.geteuid()
+    place = Path(tempfile.mkdtemp(prefix="fake-wsl-user-"))
+    user_fake = install_fake_wsl(place / "bin", [FakeDistro("Ubuntu")], hide=[place])
+    for path in [place, *place.rglob("*")]:
+        os.chown(path, unprivileged, unprivileged)
+    port = free_port()
+    script = (f"import os, socket; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); "
+              "print(os.getuid(), os.listdir('/tmp'), os.getcwd(), flush=True); c, _ = s.accept(); c.sendall(b'hi')")
+    env = {"PATH": f"{user_fake.bin_dir}:/usr/bin:/bin", "HOME": str(place)}
+    inside = subprocess.Popen(["wsl.exe", "--cd", "~", "-e", "python3", "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, user=unprivileged, group=unprivileged, extra_groups=[])
+    try:
+        assert inside.stdout is not None and inside.stderr is not None
+        line = inside.stdout.readline()
+        assert line == f"{unprivileged} [] /home/lender\n".encode(), inside.stderr.read1()
+        eventually(lambda: _connects_and_reads(port) == b"hi")
+    finally:
+        inside.kill()
+        inside.wait()
+        user_fake.kill_all()
+        shutil.rmtree(place)
+
+
+def _connects_and_reads(port: int) -> bytes:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+            return conn.recv(16)
+    except OSError:
+        return b""
+
+
 def test_processes_include_grandchildren_and_the_distro_stops_after(fake: FakeWsl) -> None:
     started = wsl(fake, "--", "sleep", "30", ">/dev/null", "2>&1", "&", "echo", "$!")
     grandchild = int(started.stdout)
