@@ -122,7 +122,7 @@ def install_fake_wsl(bin_dir: Path, distros: Sequence[FakeDistro], *, hide: Sequ
         (root / "home" / distro.user).mkdir(parents=True, exist_ok=True)
         placed[distro.name] = FakeDistro(distro.name, distro.version, distro.default, root, distro.user)
         tools = bin_dir / "fake-wsl-tools" / distro.name
-        _write_tools(tools, distro.name, root, ensurepip)
+        _write_tools(tools, root, ensurepip)
         entries.append({"name": distro.name, "version": distro.version, "default": distro.default,
                         "root": str(root), "user": distro.user, "tools": str(tools.resolve())})
     config = {"distros": entries, "hide": [str(Path(p).resolve()) for p in hide], "ensurepip": ensurepip}
@@ -130,14 +130,14 @@ def install_fake_wsl(bin_dir: Path, distros: Sequence[FakeDistro], *, hide: Sequ
     return FakeWsl(bin_dir, placed)
 
 
-def _write_tools(folder: Path, name: str, root: Path, ensurepip: bool) -> None:
+def _write_tools(folder: Path, root: Path, ensurepip: bool) -> None:
     """The distro's /usr/local/bin: `wslpath`, a `python3` as stock Ubuntu's, no working `sudo`, no pip."""
     folder.mkdir(parents=True, exist_ok=True)
     tools = {"wslpath": "wslpath", "python3": "python3", PYTHON_MINOR: "python3", "sudo": "sudo", "pip": "pip",
              "pip3": "pip"}
     for tool, template in tools.items():
         text = (TOOLS / template).read_text()
-        text = text.replace("@DISTRO@", json.dumps(name)).replace("@ROOT@", json.dumps(str(root)))
+        text = text.replace("@ROOT@", json.dumps(str(root)))
         text = text.replace("@ENSUREPIP@", "True" if ensurepip else "False")
         (folder / tool).write_text(text)
         (folder / tool).chmod(stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
