@@ -18,7 +18,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import PurePath, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 
 from worker.contract.events import DownloadProgress, Problem
 from worker.engines.installing import InstallError, InstallPlace, InstallRequest, ProgressCallback
@@ -108,6 +108,17 @@ async def pip_wheel_inside(request: InstallRequest) -> str:
     await request.fetch(PIP.url, folder / PIP.filename, what=f"pip {PIP.version}", sha256=PIP.sha256,
                         max_bytes=PIP.size, size_said="the size this app pins for it")
     return str(home / WSL_WHEELS_DIR / PIP.filename)
+
+
+async def host_folder_inside(place: VenvPlace) -> Path:
+    """The folder that holds `place`'s venv inside WSL2, as this machine writes to it (its disk is
+    the distribution's); made if missing."""
+    try:
+        home = await asyncio.to_thread(wsl.home, place.wsl_distro)
+        return await asyncio.to_thread(wsl.host_folder, home / PurePosixPath(place.folder).parent,
+                                       distro=place.wsl_distro)
+    except wsl.WslError as exc:
+        raise InstallError(wsl_problem(exc)) from exc
 
 
 def wsl_problem(error: wsl.WslError) -> Problem:

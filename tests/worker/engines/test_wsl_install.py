@@ -25,11 +25,12 @@ from worker.engines import registry
 from worker.engines.finding import find_engines, run_for_version
 from worker.engines.installing import InstallPlace, InstallRequest
 from worker.engines.venv import PIP, pip_wheel_inside
-from worker.engines.vllm.releases import SHIPPED
+from worker.engines.vllm.releases import SHIPPED, VllmReleases
 from worker.hardware import IN_WSL, EngineInstall
 from worker.plan.planner import Plan, plan
 from worker.provision import assignment
 from worker.provision.engine_install import ensure_engine
+from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.system import children, wsl
 from worker.system.config import Paths, Settings
@@ -184,3 +185,20 @@ async def test_an_assignment_on_a_windows_machine_installs_and_starts_vllm_insid
     assert ready.executable == (".local/share/gpu-provider/engines/vllm-0.33.0/bin/vllm",)
     assert ready.model.startswith(f"{HOME}/.cache/gpu-provider/models/local/")
     assert (fake.linux_path_on_host("Ubuntu", ready.model) / "config.json").is_file()
+
+
+async def test_too_little_disk_inside_wsl_refuses_the_cpu_build_before_anything_is_made(
+    fake: FakeWsl, tmp_path: Path
+) -> None:
+    """vLLM's CPU build on a CPU-only Windows PC goes into WSL2 too; its disk check measures the
+    distribution's disk (here the fake's home folder), not skipped as before."""
+    cpu = SHIPPED.build("0.32.0", "cpu")
+    assert cpu is not None and cpu.disk_mib is not None
+    free_mib = shutil.disk_usage(fake.home("Ubuntu")).free // 2**20
+    bigger = VllmReleases((dataclasses.replace(cpu, disk_mib=free_mib + 100 * 1024),))
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_engine("vllm", None, Paths.under(tmp_path / "app"), lambda _: None, runtime="cpu",
+                            machine_os="windows", wsl_distro="Ubuntu", releases=bigger, find_links=str(HOME))
+    assert failure.value.problem.title == "Not enough disk space"
+    engines = fake.home("Ubuntu") / ".local/share/gpu-provider/engines"
+    assert str(engines) in failure.value.problem.message and list(engines.iterdir()) == []

@@ -24,6 +24,7 @@ and picks the CPU backend, and detection reads the same record.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import sys
 import time
@@ -42,7 +43,15 @@ from worker.engines.installing import (
     newest_installed,
     none_shipped,
 )
-from worker.engines.venv import StepReporter, VenvPlace, create_steps, pip_step, pip_wheel_inside, run_logged
+from worker.engines.venv import (
+    StepReporter,
+    VenvPlace,
+    create_steps,
+    host_folder_inside,
+    pip_step,
+    pip_wheel_inside,
+    run_logged,
+)
 from worker.engines.vllm.releases import VllmBuild, VllmReleases
 
 VLLM_CUDA_TAG = "cu129"
@@ -195,7 +204,7 @@ async def install_vllm(
     """Make the venv and pip-install `build` into it; a failed attempt leaves nothing that looks
     installed. `pip_wheel`: inside WSL2, the Linux path of the pip wheel the venv gets pip from."""
     reporter = StepReporter(f"engine vllm {build.installed_version}", on_progress, clock)
-    if (problem := _disk_problem(place, build)) is not None:
+    if (problem := await _disk_problem(place, build)) is not None:
         reporter.fail(problem.message)
         raise InstallError(problem)
     if build.local == "cpu":
@@ -219,14 +228,14 @@ async def install_vllm(
     reporter.finish()
 
 
-def _disk_problem(place: VenvPlace, build: VllmBuild) -> Problem | None:
+async def _disk_problem(place: VenvPlace, build: VllmBuild) -> Problem | None:
     """Too little free disk for the install, checked before pip fills the disk half way (inside
-    WSL2 the disk is the distro's, which pip's own failure reports)."""
-    if build.disk_mib is None or place.wsl:
+    WSL2 the distribution's disk, measured through the Windows path of its engines folder)."""
+    if build.disk_mib is None:
         return None
-    folder = Path(place.folder)
+    folder = await host_folder_inside(place) if place.wsl else Path(place.folder)
     existing = next(p for p in (folder, *folder.parents) if p.exists())
-    free, need = shutil.disk_usage(existing).free, build.disk_mib * 2**20
+    free, need = (await asyncio.to_thread(shutil.disk_usage, existing)).free, build.disk_mib * 2**20
     if free >= need:
         return None
     return Problem(
