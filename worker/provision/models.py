@@ -191,10 +191,18 @@ async def _copied_in(model: Path, sha256: str | None, cache: ModelCache, cap: Si
     meter = ProgressMeter(f"model {model.name}", on_progress, total_bytes=total, clock=options.clock)
     meter.start(0, total)
     done = 0
-    for source, _ in files:
-        target = staging / model.name / source.relative_to(model) if source != model else staging / model.name
-        done = await _copy_file(source, target, meter, done)
-    await asyncio.to_thread(os.replace, staging, folder)
+    try:
+        for source, _ in files:
+            target = staging / model.name / source.relative_to(model) if source != model else staging / model.name
+            done = await _copy_file(source, target, meter, done)
+        await asyncio.to_thread(os.replace, staging, folder)
+    except OSError as exc:
+        log.warning("copying the model into %s failed: %s", cache.root, exc)
+        problem = Problem("Could not copy the model",
+                          f"Copying the model {model.name} to {cache.root} failed. Check that the disk has room "
+                          "and that the model files can be read, then resume the app.", action="free_disk")
+        meter.fail(problem.message)
+        raise ProvisionError(problem) from None
     meter.finish()
     await asyncio.to_thread(cache.put, key, folder, sha256=sha256)
     return dest
@@ -202,32 +210,37 @@ async def _copied_in(model: Path, sha256: str | None, cache: ModelCache, cap: Si
 
 def _files_to_copy(model: Path, cap: SizeCap) -> tuple[list[tuple[Path, int]], str]:
     """The regular files of `model` with their sizes (a folder's links to files followed, no
-    folder link), at most `MAX_COPIED_FILES` and `cap`, and what identifies this model here."""
+    folder link; anything else, a dangling link included, left out), at most `MAX_COPIED_FILES`
+    and `cap`, and what identifies this model here."""
     found: list[tuple[Path, int]] = []
-    if model.is_file():
-        found.append((model, model.stat().st_size))
-    else:
-        for top, folders, names in os.walk(model):
-            folders[:] = [f for f in folders if not Path(top, f).is_symlink()]
-            for name in names:
-                path = Path(top, name)
+    walk = [(str(model.parent), [], [model.name])] if _local_kind(model) == "file" else os.walk(model)
+    for top, folders, names in walk:
+        folders[:] = [f for f in folders if not Path(top, f).is_symlink()]
+        for name in names:
+            path = Path(top, name)
+            try:
                 info = os.stat(path)
-                if stat.S_ISREG(info.st_mode):
-                    found.append((path, info.st_size))
-                if len(found) > MAX_COPIED_FILES:
-                    raise _unusable()
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                found.append((path, info.st_size))
+            if len(found) > MAX_COPIED_FILES:
+                raise _unusable()
     total = sum(size for _, size in found)
     if total > cap.max_bytes:
         raise ProvisionError(Problem("Model larger than allowed",
                                      f"The model is {human_bytes(total)}, more than {cap.said}."))
-    info = os.stat(model)
-    return found, f"{os.path.realpath(model)}:{total}:{info.st_mtime_ns}"
+    return found, f"{os.path.realpath(model)}:{total}:{os.stat(model).st_mtime_ns}"
 
 
 async def _copy_file(source: Path, target: Path, meter: ProgressMeter, done: int) -> int:
-    """One file copied in chunks (each in a thread, the progress on this loop); the bytes done after it."""
+    """One file copied in chunks (each in a thread, the progress on this loop); the bytes done
+    after it. Opened without blocking and checked again, so a file swapped for a FIFO is never waited on."""
     await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
-    with open(source, "rb") as reader, open(target, "wb") as writer:  # noqa: ASYNC230 - chunks go through threads
+    fd = os.open(source, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    with open(fd, "rb") as reader, open(target, "wb") as writer:  # noqa: ASYNC230 - chunks go through threads
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _unusable()
         while chunk := await asyncio.to_thread(reader.read, COPY_CHUNK_BYTES):
             await asyncio.to_thread(writer.write, chunk)
             done += len(chunk)

@@ -202,3 +202,19 @@ async def test_too_little_disk_inside_wsl_refuses_the_cpu_build_before_anything_
     assert failure.value.problem.title == "Not enough disk space"
     engines = fake.home("Ubuntu") / ".local/share/gpu-provider/engines"
     assert str(engines) in failure.value.problem.message and list(engines.iterdir()) == []
+
+
+async def test_a_local_model_over_its_size_is_refused_and_a_dangling_link_left_out(fake: FakeWsl, tmp_path: Path) -> None:
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "gone").symlink_to(tmp_path / "nowhere")
+    (model / "weights.bin").write_bytes(b"\0" * (2 * 1024 * 1024))
+    big = protocol.EngineModel(source=str(model), weights_mib=1)
+    with pytest.raises(ProvisionError) as failure:
+        await ensure_model(big, "vllm", Paths.under(tmp_path / "app"), Settings(), lambda _: None, wsl_distro="Ubuntu")
+    assert failure.value.problem.title == "Model larger than allowed"
+    (model / "weights.bin").unlink()
+    linux = await ensure_model(big, "vllm", Paths.under(tmp_path / "app"), Settings(), lambda _: None,
+                               wsl_distro="Ubuntu")
+    assert sorted(p.name for p in fake.linux_path_on_host("Ubuntu", str(linux)).iterdir()) == ["config.json"]
