@@ -1,6 +1,8 @@
-"""The host around the GPUs: operating system, kernel, CPU, RAM and, on a Mac, the Apple chip.
+"""The host around the GPUs: operating system, kernel, CPU, RAM, on a Mac the Apple chip, and on
+Windows the WSL2 distribution engines that run only on Linux go into.
 
-`read_host()` reads the live machine with cheap calls only (no system_profiler, no nvidia-smi), so
+`read_host()` reads the live machine with cheap calls only (no system_profiler, no nvidia-smi; on
+Windows `wsl.exe -l -v`, which the WSL service answers without starting a distribution), so
 `detect` stays well under a second. `HostFacts` is plain data, recorded and replayed with the NVML
 readings.
 """
