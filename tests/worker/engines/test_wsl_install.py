@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
+import platform
 import shutil
 import zipfile
 from collections.abc import Iterator
@@ -18,15 +19,15 @@ import pytest
 from tests.support.fake_wsl import TOOLS, FakeDistro, FakeWsl, install_fake_wsl
 from tests.support.wheels import fake_vllm_wheel
 from tests.worker.engines.test_vllm_cpu import assign
-from tests.worker.hardware.recorded import replay
+from tests.worker.hardware.recorded import NVML_FIXTURES, replay
 from worker.contract import protocol
 from worker.contract.events import DownloadProgress
 from worker.engines import registry
-from worker.engines.finding import find_engines, run_for_version
+from worker.engines.finding import Finder, find_engines, run_for_version
 from worker.engines.installing import InstallPlace, InstallRequest
 from worker.engines.venv import PIP, pip_wheel_inside
 from worker.engines.vllm.releases import SHIPPED, VllmReleases
-from worker.hardware import IN_WSL, EngineInstall
+from worker.hardware import IN_WSL, EngineInstall, detect, load_reading
 from worker.plan.planner import Plan, plan
 from worker.provision import assignment
 from worker.provision.engine_install import ensure_engine
@@ -218,3 +219,17 @@ async def test_a_local_model_over_its_size_is_refused_and_a_dangling_link_left_o
     linux = await ensure_model(big, "vllm", Paths.under(tmp_path / "app"), Settings(), lambda _: None,
                                wsl_distro="Ubuntu")
     assert sorted(p.name for p in fake.linux_path_on_host("Ubuntu", str(linux)).iterdir()) == ["config.json"]
+
+
+def test_a_windows_pc_with_wsl2_is_detected_as_wsl2_with_its_distribution_and_engines(
+    fake: FakeWsl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`detect` as on Windows (`platform.system`), the listing and the probe through the fake."""
+    folder = fake.home("Ubuntu") / ".local/share/gpu-provider/engines/sglang-0.5.23"
+    folder.mkdir(parents=True)
+    (folder / ".gpu-provider-installed").write_text("0.5.23")
+    monkeypatch.setattr(platform, "system", lambda: "Windows")
+    _, nvml = load_reading(NVML_FIXTURES / "rtx4090.json")
+    machine = detect(Settings(), Finder({}), nvml=nvml)
+    assert (machine.os, machine.runtime, machine.wsl_distro) == ("windows", "wsl2", "Ubuntu")
+    assert machine.engines["sglang"] == EngineInstall("0.5.23", IN_WSL) and machine.engines["vllm"].version is None
