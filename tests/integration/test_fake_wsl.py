@@ -352,6 +352,20 @@ def test_processes_include_grandchildren_and_the_distro_stops_after(fake: FakeWs
     assert fake.processes("Ubuntu") == []
 
 
+def test_shutdown_ends_everything_inside_and_the_attached_wsl_exe(fake: FakeWsl) -> None:
+    """What Docker Desktop or an update does: the engine's wsl.exe sees its program end."""
+    attached = subprocess.Popen(["wsl.exe", "-e", "sleep", "30"], env=environment(fake))
+    try:
+        eventually(lambda: fake.processes("Ubuntu"))
+        assert wsl(fake, "--shutdown").returncode == 0
+        assert attached.wait(TIMEOUT_S) != 0
+        eventually(lambda: not fake.processes("Ubuntu"))
+        assert b"Running" not in wsl(fake, "-l", "-v", WSL_UTF8="1").stdout
+    finally:
+        attached.kill()
+        attached.wait()
+
+
 def test_python3_venv_needs_without_pip_as_on_stock_ubuntu(fake: FakeWsl) -> None:
     refused = wsl(fake, "--cd", "~", "-e", "python3", "-m", "venv", "engines/vllm")
     assert refused.returncode == 1
