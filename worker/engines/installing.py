@@ -77,7 +77,7 @@ class InstallRequest:
     base_python: str | None = None  # an interpreter to make venvs from (None: the installer's choice)
     index_url: str | None = None  # a Python package index instead of PyPI
     find_links: str | None = None  # a folder of wheels, offline
-    release_api: str | None = None  # where release pages are read (None: the engine's own)
+    release_api: str | None = None  # where a release's assets are downloaded (llama.cpp: a template with {build}, {name})
 
 
 @dataclass(frozen=True)

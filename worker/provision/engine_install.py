@@ -65,7 +65,7 @@ async def ensure_engine(
     `use_wsl` None means: inside WSL2 (`wsl_distro`) where `machine_os` (None: this machine's) is
     Windows and the engine does not run on Windows itself.
     `index_url`/`find_links` choose where pip looks (a folder of wheels offline), `release_api`
-    where release pages are read; downloads go through `downloader` (one is made if not given).
+    where a release's assets are downloaded (llama.cpp: a template with `{build}` and `{name}`); downloads go through `downloader` (one is made if not given).
     """
     adapter = registry.get(engine) if engine in registry.names() else None
     shipped = releases if releases is not None or adapter is None else adapter.RELEASES
