@@ -5,13 +5,17 @@ the app's `wsl.exe` is killed, or after a reap of what a killed app left."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -19,7 +23,11 @@ import pytest
 
 from tests.support.engines import LlamaServer, free_port
 from tests.support.fake_wsl import TOOLS, FakeDistro, FakeWsl, install_fake_wsl
+from tests.support.real_vllm import ensure_vllm, tiny_hf_model
+from worker.contract import protocol
 from worker.contract.events import EngineSnapshot
+from worker.engines.installing import MARKER
+from worker.link.local import ReferenceCoordinator
 from worker.plan.planner import EnginePlan
 from worker.serve.process import StopTiming
 from worker.serve.restart_policy import RestartBackoff, SupervisorTiming
@@ -28,7 +36,9 @@ from worker.serve.wsl_engine import WslEngine
 from worker.system import children
 from worker.system.config import Paths
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+GPU_PROVIDER = Path(sys.executable).with_name("gpu-provider")
 
 DISTRO = "Ubuntu"
 MODEL_INSIDE = "/home/lender/.cache/gpu-provider/models/tiny-llama.gguf"
@@ -192,3 +202,91 @@ async def test_an_engine_a_killed_app_left_inside_is_reaped_before_the_next_star
         if orphan.poll() is None:
             orphan.kill()
     assert fake.processes(DISTRO) == []
+
+
+# --- vLLM's CPU build inside WSL2, through the app --------------------------------------------
+
+VLLM_BUILD = "0.32.0+cpu"
+VLLM_FOLDER = f".local/share/gpu-provider/engines/vllm-{VLLM_BUILD}"  # the app's own venv inside
+TOKEN = "wsl-vllm-test-token"
+START_TIMEOUT_S = 480.0  # vLLM starts in 60-90 s on 2 idle cores; much more while other work shares them
+CHAT = {"messages": [{"role": "user", "content": "Count: one two three"}], "max_tokens": 6, "temperature": 0}
+BASE_ARGS = ["--max-model-len", "1024", "--gpu-memory-utilization", "0.1", "--enforce-eager"]
+
+
+def installed_inside(fake: FakeWsl, venv: Path) -> None:
+    """The cached vLLM venv, as a finished install of the app's inside the distribution: its folder
+    (pyvenv.cfg, the install marker) with the venv's files linked in (the cache is visible inside)."""
+    folder = fake.home(DISTRO) / VLLM_FOLDER
+    folder.mkdir(parents=True)
+    shutil.copyfile(venv / "pyvenv.cfg", folder / "pyvenv.cfg")
+    for part in ("bin", "lib", "include", "share"):
+        if (venv / part).exists():
+            (folder / part).symlink_to(venv / part)
+    (folder / MARKER).write_text(VLLM_BUILD)
+
+
+def windows_cpu_machine(path: Path) -> Path:
+    """This machine's `detect`, as a Windows PC without a usable GPU whose WSL2 has vLLM's CPU build."""
+    detected = json.loads(subprocess.run([str(GPU_PROVIDER), "detect"], capture_output=True, text=True, timeout=120,
+                                         check=True).stdout)
+    detected["platform"] = {"os": "windows", "runtime": "cpu", "arch": "x86_64", "wsl_distro": DISTRO}
+    detected["hardware"].update(gpus=[], groups=[], effective_vram_mib=0)
+    detected["engines"] = {"vllm": VLLM_BUILD}
+    path.write_text(json.dumps(detected))
+    return path
+
+
+def engine_status(data_dir: Path) -> dict[str, Any] | None:
+    shown = subprocess.run([str(GPU_PROVIDER), "status", "--json", "--data-dir", str(data_dir)], capture_output=True,
+                           text=True, timeout=60, check=False)
+    engines = json.loads(shown.stdout)["snapshot"]["engines"] if shown.returncode == 0 else []
+    return engines[0] if engines else None
+
+
+def engine_log(engine: dict[str, Any] | None) -> str:
+    return Path(engine["log_path"]).read_text()[-4000:] if engine and engine["log_path"] else "(no engine log)"
+
+
+async def test_vllm_cpu_build_inside_wsl2_through_the_app(fake: FakeWsl, tmp_path: Path) -> None:
+    """`gpu-provider run --headless --hardware FILE` of a Windows PC without a GPU: the assignment's
+    vLLM-only block is served by the CPU build the app finds in its distribution, the model copied
+    onto the distribution's disk, a request relayed, and quitting leaves nothing inside."""
+    vllm, model = await asyncio.to_thread(ensure_vllm), await asyncio.to_thread(tiny_hf_model)
+    installed_inside(fake, vllm.parent.parent)
+    hardware = windows_cpu_machine(tmp_path / "windows-cpu.json")
+    spec = protocol.EngineModel(source=str(model), weights_mib=2, base_args=BASE_ARGS, tiers={})
+    coordinator = ReferenceCoordinator(token=TOKEN, heartbeat_s=1.0, assign=protocol.Assign(
+        assignment_id="a-1", model=protocol.ModelSpec(name="tiny-llama", vllm=spec)))
+    await coordinator.start()
+    data_dir, output = tmp_path / "node", tmp_path / "node.out"
+    with open(output, "wb") as out:
+        app = subprocess.Popen([str(GPU_PROVIDER), "run", "--headless", "--data-dir", str(data_dir), "--coordinator",
+                                coordinator.url, "--hardware", str(hardware)],
+                               stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "GPU_PROVIDER_TOKEN": TOKEN})
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        engine = None
+        while engine is None or engine["state"] != "ready":
+            assert app.poll() is None, output.read_text()[-4000:]
+            assert time.monotonic() < deadline, f"not ready:\n{output.read_text()[-3000:]}\n{engine_log(engine)}"
+            assert engine is None or engine["state"] != "failed", engine_log(engine)
+            await asyncio.sleep(1.0)
+            engine = await asyncio.to_thread(engine_status, data_dir)
+        assert engine["argv"][0] == f"{VLLM_FOLDER}/bin/vllm"
+        assert engine["argv"][2].startswith("/home/lender/.cache/gpu-provider/models/")
+        assert engine["port"] is not None
+        inside = fake.processes(DISTRO)
+        assert inside and engine["pid"] not in inside
+        reply = await (await coordinator.request(CHAT)).collect(timeout=120)
+        assert reply.head is not None and reply.head.status == 200, reply.data
+        assert json.loads(reply.data)["usage"]["completion_tokens"] == 6
+        app.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(app.wait, 120) == 0, output.read_text()[-4000:]
+        assert all_gone([*inside, engine["pid"]], 20), [argv_of(p) for p in inside if alive(p)]
+        assert fake.processes(DISTRO) == []
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait()
+        await coordinator.stop()
