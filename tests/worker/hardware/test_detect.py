@@ -11,6 +11,7 @@ from tests.worker.hardware.recorded import NO_ENGINE_FINDER, NVML_FIXTURES, repl
 from worker.contract import protocol
 from worker.system.config import Settings
 from worker.hardware import HostFacts, Machine, ReplaySource, detect, load_reading, usable_mib
+from worker.hardware.pretty import machine_table
 from worker.engines.finding import Finder
 from worker.hardware.host import AppleFacts, _read_apple, read_host
 from worker.system import wsl
@@ -175,6 +176,7 @@ def test_windows_with_a_wsl2_distribution_is_wsl2_whether_or_not_vllm_is_install
     assert asked[0][:6] == ["wsl.exe", "-d", "Ubuntu", "--cd", "~", "-e"]
     assert machine.to_detect_json()["platform"]["wsl_distro"] == "Ubuntu"
     assert Machine.from_detect_json(machine.to_detect_json()).wsl_distro == "Ubuntu"
+    assert "WSL2            Ubuntu" in machine_table(machine)  # `detect --pretty` names it too
 
 
 def test_windows_without_a_wsl2_distribution_is_windows_and_asks_nothing_of_wsl():
