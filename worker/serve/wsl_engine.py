@@ -33,21 +33,25 @@ The environment (the run's key, the cards to use, the engine's settings) crosses
 it to Windows' localhost (a Unix socket inside the VM is not reachable from Windows).
 
 The VM stays up while the engine serves: WSL's `instanceIdleTimeout` counts only once every
-process of the instance has exited, and the engine's `wsl.exe` stays attached from start to stop.
-A restart stops the old launcher before the next starts, a gap of seconds, shorter than that
-timeout (15 s); nothing else the app does keeps the VM up or needs to.
+process of the instance has exited, and the engine's `wsl.exe` stays attached from start to stop;
+the app never runs `wsl --terminate` or `--shutdown`, so nothing of its own ends the VM under an
+engine. Between a stop and the next start (a restart's wait, a pause) the instance may idle out
+(15 s); the next start then boots it again, within `WSL_START_S`, and loses nothing: the engine,
+its model and its pid file live on the distribution's disk. Nothing else keeps the VM up or needs to.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import os
 import re
 import subprocess
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from worker.engines.base import child_environment
 from worker.system import children, wsl
 
 log = logging.getLogger(__name__)
@@ -255,6 +259,7 @@ def serve(name, argv, grace):
         os.setsid()
     except OSError:
         pass
+    os.makedirs(STATE, mode=0o700, exist_ok=True)
     os.makedirs(os.path.join(STATE, "config"), mode=0o700, exist_ok=True)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
@@ -350,7 +355,8 @@ class WslEngine:
         it could not be done in time: a stop never hangs on a distribution that does not answer."""
         timeout = WSL_START_S + grace_s + gone_s * 2
         try:
-            done = children.run(self.stop_argv(grace_s), timeout_s=timeout)
+            done = children.run(self.stop_argv(grace_s), timeout_s=timeout,
+                                env=environment(child_environment(os.environ), {}))
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.warning("could not stop engine %s inside WSL2: %s", self.name, exc)
             return False

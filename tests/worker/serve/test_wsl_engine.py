@@ -238,3 +238,21 @@ def test_the_environment_crosses_only_through_wslenv() -> None:
                                  {"ENGINE_KEY": "secret", "CUDA_VISIBLE_DEVICES": "1"})
     assert env["WSLENV"] == "ENGINE_KEY/u:CUDA_VISIBLE_DEVICES/u"
     assert env["ENGINE_KEY"] == "secret" and env["PATH"] == "C:\\Windows"
+
+
+def test_the_stop_command_carries_no_token_and_no_wslenv_of_the_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, object]] = []
+
+    def run(argv: list[str], **options: object) -> subprocess.CompletedProcess[str]:
+        seen.append({"argv": argv, **options})
+        return subprocess.CompletedProcess(argv, 0, "gpu-provider-launcher: engine e0 stopped\n", "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("GPU_PROVIDER_TOKEN", "the-token")
+    monkeypatch.setenv("WSLENV", "GPU_PROVIDER_TOKEN/u")
+    assert WslEngine("Ubuntu", "e0").stop(2.0, 3.0)
+    [call] = seen
+    env = call["env"]
+    assert isinstance(env, dict) and "GPU_PROVIDER_TOKEN" not in env and env["WSLENV"] == ""
+    assert call["argv"] == WslEngine("Ubuntu", "e0").stop_argv(2.0)
+    assert isinstance(call["timeout"], float) and call["timeout"] <= wsl_engine.WSL_START_S + 2.0 + 6.0
