@@ -290,3 +290,39 @@ async def test_vllm_cpu_build_inside_wsl2_through_the_app(fake: FakeWsl, tmp_pat
             app.kill()
             app.wait()
         await coordinator.stop()
+
+
+# --- what crosses into the distribution -------------------------------------------------------
+
+def environ_of(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+
+
+async def test_the_engines_own_variables_cross_through_wslenv_and_nothing_else(
+        fake: FakeWsl, vllm_standin: Path, tmp_path: Path) -> None:
+    """The vLLM stand-in inside: its key, its cards, its settings and telemetry off arrive (only
+    WSLENV carries them); the provider token, a VLLM_* of the user's and the app's own
+    folders do not, and its user configuration is the launcher's folder inside."""
+    plan = EnginePlan(engine_id="e0", engine="vllm", gpu_indices=(1,), layout="single", memory_mib=24000, tier=None,
+                      args=("--max-model-len", "4096"), fallbacks=(), port=free_port(),
+                      env={"VLLM_WSL2_ENABLE_PIN_MEMORY": "1"}, executable=(sys.executable, str(vllm_standin)),
+                      model="/models/Qwen3-8B", served_name="qwen3-8b", in_wsl=True, wsl_distro=DISTRO)
+    base = {**os.environ, "GPU_PROVIDER_TOKEN": "the-token", "VLLM_HOST_IP": "0.0.0.0", "WSLENV": "USERPROFILE/p"}
+    sup = EngineSupervisor(plan, paths=Paths.under(tmp_path / "app").ensure(), timing=TIMING, base_env=base)
+    try:
+        await ready(sup)
+        target = sup.target()
+        assert target is not None
+        engine = environ_of(pid_record(fake)["engine"])
+        assert engine["VLLM_API_KEY"] == target.api_key
+        assert (engine["CUDA_VISIBLE_DEVICES"], engine["CUDA_DEVICE_ORDER"]) == ("1", "PCI_BUS_ID")
+        assert engine["VLLM_NO_USAGE_STATS"] == engine["DO_NOT_TRACK"] == engine["VLLM_WSL2_ENABLE_PIN_MEMORY"] == "1"
+        assert engine["XDG_CONFIG_HOME"] == "/home/lender/.local/state/gpu-provider/config"
+        assert engine["HOME"] == "/home/lender"
+        assert not {"GPU_PROVIDER_TOKEN", "VLLM_HOST_IP", "USERPROFILE"} & set(engine)
+        assert "USERPROFILE" not in engine["WSLENV"]  # the user's own WSLENV was not carried on
+        assert not any(target.api_key.encode() in line for line in every_cmdline())
+    finally:
+        await sup.stop()
+    assert fake.processes(DISTRO) == []
