@@ -15,7 +15,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,9 +51,9 @@ def wsl(fake: FakeWsl, *args: str, input: bytes = b"", **extra: str) -> subproce
                           timeout=TIMEOUT_S, check=False)
 
 
-def eventually(check: object, timeout_s: float = 3.0) -> None:
+def eventually(check: Callable[[], object], timeout_s: float = 3.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
+    while not check():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
 
@@ -146,6 +146,20 @@ def test_app_folders_are_absent_inside_and_the_distro_has_its_own(fake: FakeWsl,
     assert shown.stdout.decode().splitlines() == ["system-python", str(made), "/mnt/c/Users/Jos"]
     assert made.read_text() == "home\n"
     assert fake.linux_path_on_host("Ubuntu", "~/made-inside") == made
+
+
+def test_only_home_and_tmp_are_writable_inside(fake: FakeWsl) -> None:
+    """As for the distro's non-root user; and a program inside never changes the host's system or
+    this repository."""
+    repo_file = Path(__file__).parent / "fake-wsl-write-probe"
+    script = f"touch ~/mine /tmp/mine && echo own-folders; touch /usr/lib/probe {repo_file} 2>&1"
+    shown = wsl(fake, "-e", "bash", "-c", script)
+    assert shown.stdout.decode().splitlines() == [
+        "own-folders",
+        "touch: cannot touch '/usr/lib/probe': Read-only file system",
+        f"touch: cannot touch '{repo_file}': Read-only file system",
+    ]
+    assert not repo_file.exists() and not Path("/usr/lib/probe").exists()
 
 
 def test_an_app_folder_made_after_the_distro_started_is_covered_too(tmp_path: Path) -> None:
