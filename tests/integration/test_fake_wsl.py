@@ -51,7 +51,7 @@ def wsl(fake: FakeWsl, *args: str, input: bytes = b"", **extra: str) -> subproce
                           timeout=TIMEOUT_S, check=False)
 
 
-def eventually(check: Callable[[], object], timeout_s: float = 3.0) -> None:
+def eventually(check: Callable[[], object], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"
@@ -204,7 +204,7 @@ def test_tcp_inside_is_reachable_from_host_with_streaming(fake: FakeWsl) -> None
         assert inside.stdout is not None and inside.stdout.readline() == b"up\n"
         started = time.monotonic()
         eventually(lambda: _connects(port))
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 2.0  # WSL forwards within about a second; the fake polls every 0.1 s
         results: dict[int, list[tuple[float, bytes]]] = {}
         clients = [threading.Thread(target=_stream, args=(port, n, results)) for n in range(8)]
         for client in clients:
