@@ -308,12 +308,21 @@ def serve(name, argv, grace):
     return os.WEXITSTATUS(status)
 
 
+def seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 <= value <= 3600 else None
+
+
 def main(args):
-    if len(args) >= 2 and set(args[1]) <= NAME_CHARS and not args[1].startswith("."):
-        if args[0] == "stop" and len(args) == 3:
-            return stop(args[1], float(args[2]))
-        if args[0] == "run" and len(args) >= 5 and args[3] == "--":
-            return serve(args[1], args[4:], float(args[2]))
+    named = len(args) >= 3 and 0 < len(args[1]) <= 64 and set(args[1]) <= NAME_CHARS and args[1][0] != "."
+    grace = seconds(args[2]) if named else None
+    if grace is not None and args[0] == "stop" and len(args) == 3:
+        return stop(args[1], grace)
+    if grace is not None and args[0] == "run" and len(args) >= 5 and args[3] == "--":
+        return serve(args[1], args[4:], grace)
     say("usage: run NAME GRACE -- ARGV... | stop NAME GRACE")
     return 2
 

@@ -177,7 +177,8 @@ def test_stop_with_no_engine_recorded_does_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args", [
     ["run", "../x", "1", "--", "true"], ["run", ".hidden", "1", "--", "true"], ["run", "e0", "1", "true"],
-    ["stop", "a/b", "1"], ["nothing"],
+    ["stop", "a/b", "1"], ["nothing"], ["stop", "e0", "soon"], ["stop", "e0", "-1"], ["stop", "e" * 65, "1"],
+    ["run", "e0", "nan", "--", "true"], ["stop", "", "1"],
 ])
 def test_anything_off_the_usage_is_refused(tmp_path: Path, args: list[str]) -> None:
     launcher = _launcher(tmp_path, *args)
