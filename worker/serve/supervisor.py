@@ -370,7 +370,7 @@ class EngineSupervisor:
         """End the engine's Linux processes (a failure is logged by `WslEngine.stop`; its `wsl.exe`
         is stopped afterwards either way)."""
         if self._wsl is not None:
-            await asyncio.to_thread(self._wsl.stop, self._timing.stop.grace_s, self._timing.stop.gone_s)
+            await asyncio.to_thread(self._wsl.stop, self._timing.stop.grace_s)
 
     # --- log facts -----------------------------------------------------------------------
 

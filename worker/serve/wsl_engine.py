@@ -4,7 +4,7 @@ From Windows an engine in a WSL2 distribution is a `wsl.exe` child of the app, a
 handle on the Linux processes: killing it leaves them running (microsoft/WSL#2496), and the host
 pid file names only `wsl.exe`. So the engine runs under a small launcher (`LAUNCHER`, stdlib only,
 any python3 of a distribution) started as
-`wsl.exe -d D --cd ~ -e python3 -c CODE run NAME -- ENGINE ARGV…`, which inside the distribution:
+`wsl.exe -d D --cd ~ -e python3 -c CODE run NAME GRACE -- ENGINE ARGV…`, which inside the distribution:
 
 - leaves `wsl.exe`'s session (`setsid`) and starts the engine in a process group of its own,
   with its user configuration looked up in a folder the launcher owns;
@@ -20,7 +20,7 @@ any python3 of a distribution) started as
 - on the engine's exit, kills what is left of its group, and says in one line how the engine
   ended when a signal ended it, with whether the kernel's OOM killer struck and the lowest free
   memory it saw: an engine the distribution's memory limit killed looks like any SIGKILL from
-  outside (`FAILURE_HINTS` tell the two apart).
+  outside (`killed_for_memory` tells the two apart).
 
 `stop NAME GRACE` ends the group a pid file names (TERM, KILL after `GRACE` seconds, until none is
 left) and the launcher with it; the supervisor runs it after the drain, and once before the first
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 WSL_START_S = 30.0  # a Stopped distribution boots first (platforms.md: more than 5 s is common)
+LAUNCHER_GONE_S = 10.0  # the launcher's own GONE_S: after SIGKILL for the group, then for the launcher
 LAUNCHER_PREFIX = "gpu-provider-launcher:"
 
 # The launcher, run inside the distribution by its python3 (3.8 or newer, stdlib only).
@@ -359,10 +360,10 @@ class WslEngine:
     def stop_argv(self, grace_s: float) -> list[str]:
         return wsl.command(["python3", "-c", LAUNCHER_CODE, "stop", self.name, f"{grace_s:g}"], distro=self.distro)
 
-    def stop(self, grace_s: float, gone_s: float) -> bool:
+    def stop(self, grace_s: float) -> bool:
         """End the engine's Linux processes (blocking; call it in a thread). False, logged, when
         it could not be done in time: a stop never hangs on a distribution that does not answer."""
-        timeout = WSL_START_S + grace_s + gone_s * 2
+        timeout = WSL_START_S + grace_s + 2 * LAUNCHER_GONE_S
         try:
             done = children.run(self.stop_argv(grace_s), timeout_s=timeout,
                                 env=environment(child_environment(os.environ), {}))

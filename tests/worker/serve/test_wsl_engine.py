@@ -251,9 +251,10 @@ def test_the_stop_command_carries_no_token_and_no_wslenv_of_the_users(monkeypatc
     monkeypatch.setattr(subprocess, "run", run)
     monkeypatch.setenv("GPU_PROVIDER_TOKEN", "the-token")
     monkeypatch.setenv("WSLENV", "GPU_PROVIDER_TOKEN/u")
-    assert WslEngine("Ubuntu", "e0").stop(2.0, 3.0)
+    assert WslEngine("Ubuntu", "e0").stop(2.0)
     [call] = seen
     env = call["env"]
     assert isinstance(env, dict) and "GPU_PROVIDER_TOKEN" not in env and env["WSLENV"] == ""
     assert call["argv"] == WslEngine("Ubuntu", "e0").stop_argv(2.0)
-    assert isinstance(call["timeout"], float) and call["timeout"] <= wsl_engine.WSL_START_S + 2.0 + 6.0
+    assert call["timeout"] == wsl_engine.WSL_START_S + 2.0 + 2 * wsl_engine.LAUNCHER_GONE_S
+    assert f"\nGONE_S = {wsl_engine.LAUNCHER_GONE_S!r}\n" in wsl_engine.LAUNCHER  # the bound the launcher keeps
