@@ -14,7 +14,7 @@ def machine_table(machine: Machine) -> str:
     if machine.chip:
         lines.append(f"Apple chip      {machine.chip}")
     if machine.wsl_distro:
-        lines.append(f"WSL2            {machine.wsl_distro} (vLLM and SGLang run inside it)")
+        lines.append(f"WSL2            {machine.wsl_distro} (the engines that need Linux run inside it)")
     if machine.driver_version:
         lines.append(f"NVIDIA driver   {machine.driver_version} (CUDA {machine.cuda_version or '?'})")
     if machine.gpus:
