@@ -17,12 +17,12 @@ import psutil
 from worker.system.config import Paths
 from worker.serve.diagnosis import engine_problem
 from worker.contract.events import EngineSnapshot, NodeState, Problem
-from worker.hardware import NvmlSource
+from worker.hardware import NvmlError, NvmlSource
 from worker.plan.planner import EnginePlan
 from worker.system.ports import free_first_port
 from worker.relay.forward import EngineTarget
-from worker.serve.restart_policy import Ended, RequestCrashes, RestartBackoff, SupervisorTiming
-from worker.serve.supervisor import EngineSupervisor, EventCallback, Remeasure
+from worker.serve.restart_policy import CardMemory, Ended, RequestCrashes, RestartBackoff, SupervisorTiming
+from worker.serve.supervisor import CardReader, EngineSupervisor, EventCallback, Remeasure
 
 
 class GpuMemory(Protocol):
@@ -83,9 +83,21 @@ class EngineSet:
         gpu_released = self._gpus.released if self._gpus.nvml is not None else None
         sup = EngineSupervisor(engine_plan, paths=self._paths, on_event=self._on_event, http=self._http,
                                gpu_released=gpu_released, remeasure=self._remeasure, timing=self.timing,
-                               backoff=self.backoff, request_crashes=self.request_crashes)
+                               backoff=self.backoff, request_crashes=self.request_crashes,
+                               read_cards=self._card_reader())
         self._supervisors[engine_plan.engine_id] = sup
         await sup.start()
+
+    def _card_reader(self, system: str = os.name) -> CardReader | None:
+        """NVML's reading of a plan's cards, on Windows only: there CUDA spills a start that does
+        not fit into shared system memory instead of failing (the sysmem fallback)."""
+        source = self._gpus.nvml
+        if system != "nt" or source is None:
+            return None
+
+        async def read(indices: Sequence[int]) -> dict[int, CardMemory]:
+            return await asyncio.to_thread(card_memory, source, indices)
+        return read
 
     async def restart_failed(self) -> list[str]:
         """The person's Retry: each engine that gave up starts again now, with a fresh supervisor
@@ -142,3 +154,18 @@ class EngineSet:
             except psutil.Error:
                 pass
         return own
+
+
+def card_memory(source: NvmlSource, indices: Sequence[int]) -> dict[int, CardMemory]:
+    """NVML's memory reading of each card in `indices`; {} where NVML cannot read them."""
+    try:
+        source.init()
+    except NvmlError:
+        return {}
+    try:
+        readings = {i: source.query("memory", i) for i in indices}
+    except NvmlError:
+        return {}
+    finally:
+        source.shutdown()
+    return {i: CardMemory(int(m["used_mib"]), int(m["total_mib"])) for i, m in readings.items()}

@@ -63,6 +63,8 @@ from worker.relay.loopback_http import LoopbackClient, LoopbackHTTPError
 from worker.relay.forward import EngineTarget
 from worker.serve.restart_policy import (
     AttemptFacts,
+    CardMemory,
+    DeviceBufferLog,
     RestartBackoff,
     Ended,
     RequestCrashes,
@@ -83,6 +85,8 @@ SOCKET_HOST_URL = "http://localhost"  # the Host an engine on a Unix socket is a
 EventCallback = Callable[[EngineSnapshot, str], None]
 # The `--gpu-memory-utilization` for a plan's cards from a fresh reading; None when none can be made.
 Remeasure = Callable[[EnginePlan], Awaitable[float | None]]
+# NVML's memory reading of the given cards, by GPU index (a card it cannot read left out).
+CardReader = Callable[[Sequence[int]], Awaitable[Mapping[int, CardMemory]]]
 
 
 def engine_home(paths: Paths) -> Path:
@@ -113,13 +117,16 @@ class EngineSupervisor:
                  key_factory: Callable[[], str] = lambda: secrets.token_hex(24),  # never starts with "-" (argparse)
                  base_env: Mapping[str, str] | None = None, gpu_released: procs.GpuReleased | None = None,
                  http: httpx.AsyncClient | None = None, unix_socket: bool | None = None,
-                 remeasure: Remeasure | None = None, request_crashes: RequestCrashes | None = None):
+                 remeasure: Remeasure | None = None, request_crashes: RequestCrashes | None = None,
+                 read_cards: CardReader | None = None):
         """`http` is used for an engine on a TCP port; one on a Unix socket gets its own client.
         `unix_socket` None follows the platform (`UNIX_SOCKETS`) and the engine (`UNIX_SOCKET`); False keeps
         an engine on 127.0.0.1.
         `remeasure` gives the memory share to start with after vLLM found the card's memory held
         (None: the planned share again). `wall_clock` dates the next start (`retry_at`) for people.
-        `request_crashes` is the node's count of crashes requests caused (shared by its engines)."""
+        `request_crashes` is the node's count of crashes requests caused (shared by its engines).
+        `read_cards` (Windows, where CUDA spills a start that does not fit into shared system memory)
+        reads the plan's cards before a start and once it is ready, to tell such a start (`spilled`)."""
         self.plan = plan
         self.adapter = plan.adapter
         self._paths = paths
@@ -133,6 +140,7 @@ class EngineSupervisor:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._gpu_released = gpu_released
         self._remeasure = remeasure
+        self._read_cards = read_cards
         self._http = http
         self._owns_http = False
         self._health_client = LoopbackClient(max_idle_per_engine=1)
@@ -333,6 +341,7 @@ class EngineSupervisor:
         if self._wsl is not None:
             started_argv, env = self._wsl_start(argv)
         log_path = procs.rotate_logs(self._paths.log_dir, self.plan.engine_id)
+        cards_before = await self._cards()
         started = self._clock()
         self._set("starting", reason, tier=tier, argv=tuple(argv), phase="launching",
                   kv_cache_tokens=None, kv_cache_gib=None, max_concurrency=None, context=ContextNumbers(),
@@ -345,11 +354,27 @@ class EngineSupervisor:
                          "installed.", 0.0, False)
         self._update(pid=self._process.pid)
         ended = await self._until_ready(self._process, started)
+        if ended is None and cards_before is not None:
+            ended = await self._spilled(cards_before, started)
         if ended is None:
             await self._became_ready()
             ended = await self._serve(self._process, started)
         await self._stop_process()
         return ended
+
+    async def _cards(self) -> Mapping[int, CardMemory] | None:
+        """NVML's reading of the plan's cards where a start may spill (`read_cards` given, an engine
+        that logs its device buffers, GPUs), else None."""
+        if self._read_cards is None or not self.plan.gpu_indices or not isinstance(self.adapter, DeviceBufferLog):
+            return None
+        return await self._read_cards(self.plan.gpu_indices)
+
+    async def _spilled(self, before: Mapping[int, CardMemory], started: float) -> Ended | None:
+        """An `oom` ending when the ready engine's start spilled into shared system memory."""
+        after = await self._cards()
+        if after is None:
+            return None
+        return self._facts.spilled(self.plan.gpu_indices, before, after, self._clock() - started)
 
     async def _stop_process(self) -> None:
         if self._process is not None:
@@ -376,6 +401,8 @@ class EngineSupervisor:
 
     def observe_line(self, line: str) -> None:
         """One line of the engine's output (stdout or stderr): facts go into the snapshot."""
+        if isinstance(self.adapter, DeviceBufferLog):
+            self._facts.note_device_buffer(self.adapter.device_buffer(line))
         fact = self.adapter.parse_line(line)
         if fact is None:
             return

@@ -241,3 +241,27 @@ async def test_a_crash_loop_counts_its_failures_and_dates_each_restart(tmp_path:
     assert (failed.failures_in_a_row, failed.retry_at) == (3, None)
     assert sup.last_ended is not None and sup.last_ended.kind == "crashed"
     assert "device lost" in sup.last_ended.message
+
+
+async def test_a_llamacpp_start_that_spilled_into_shared_memory_ends_as_out_of_memory(tmp_path: Path) -> None:
+    """Windows' sysmem fallback: the card read before the start and once ready grew by less than
+    llama-server logged it put there, so the attempt ends as `oom` and the lower tier is tried."""
+    from tests.worker.serve.test_restart_policy import SPILLED_START
+    from worker.serve.restart_policy import CardMemory
+
+    readings = iter([{0: CardMemory(1_850, 24_564)}, {0: CardMemory(24_310, 24_564)}])
+    asked: list[tuple[int, ...]] = []
+
+    async def read_cards(indices: Any) -> dict[int, CardMemory]:
+        asked.append(tuple(indices))
+        return next(readings)
+
+    sup = EngineSupervisor(plan("llamacpp"), paths=Paths.under(tmp_path), read_cards=read_cards)
+    before = await sup._cards()
+    for line in SPILLED_START:
+        sup.observe_line(line)
+    ended = await sup._spilled(before, 0.0) if before is not None else None
+
+    assert ended is not None and ended.kind == "oom" and not ended.was_ready
+    assert asked == [(0,), (0,)]
+    assert await EngineSupervisor(plan("vllm"), paths=Paths.under(tmp_path), read_cards=read_cards)._cards() is None
