@@ -141,6 +141,8 @@ class EngineModel(_Message):
     weights_mib: int = Field(gt=0)
     base_args: list[str] = []
     tiers: dict[str, list[str]] = {}
+    # Kept raw: a bad `tune` block refuses the tuning only, never the assignment (`parse_tune`).
+    tune: Any = None
 
     @field_validator("tiers")
     @classmethod
@@ -232,6 +234,192 @@ class Resume(_Message):
     type: Literal["resume"] = "resume"
 
 
+# --- tuning (optional) -----------------------------------------------------------------------
+
+AUTOTUNE_FEATURE = "autotune"  # in `Welcome.features`: the coordinator reads tuning status and reports
+MAX_SPACE_KEYS = 32
+MAX_SPACE_VALUES = 64
+MAX_SEEDS = 16
+MAX_SEED_ARGS = 64
+MAX_TUNE_TEXT = 256  # characters of one flag, value or seed argument
+MAX_TUNE_REPORT_BYTES = 64 * 1024
+TuneWhen = Literal["on_assign", "idle", "on_request"]
+TuneText = Annotated[str, Field(max_length=MAX_TUNE_TEXT)]
+SpaceValue = Annotated[int, Field(strict=True)] | TuneText
+
+
+class TuneRefused(Exception):
+    """Why this node will not tune (the assignment still serves untuned): sent as
+    `status.tuning.refused.reason`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class TuneBudget(_Message):
+    max_minutes: float = Field(default=15.0, gt=0, le=24 * 60)
+    max_trials: int = Field(default=12, ge=1, le=256)
+
+
+class TuneObjective(_Message):
+    ladder_max: int = Field(default=16, ge=1, le=1024)
+    per_request_floor_tok_s: float | None = Field(default=None, ge=0)
+    ttft_p90_ceiling_ms: float | None = Field(default=None, gt=0)
+
+
+class SpaceEntry(_Message):
+    """One flag's narrowing: a range of whole numbers (`min`/`max`) or listed `values` (a switch
+    is `{"values": ["on", "off"]}`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    min: int | None = Field(default=None, strict=True)
+    max: int | None = Field(default=None, strict=True)
+    values: tuple[SpaceValue, ...] | None = Field(default=None, min_length=1, max_length=MAX_SPACE_VALUES)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> SpaceEntry:
+        ranged = self.min is not None or self.max is not None
+        if ranged == (self.values is not None):
+            raise ValueError("give either min/max or values")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError("min is above max")
+        return self
+
+
+class TuneSpec(_Message):
+    """An engine block's `tune` object, checked (`parse_tune`)."""
+
+    enabled: bool = True
+    when: tuple[TuneWhen, ...] = Field(default=("on_assign", "on_request"), max_length=3)
+    budget: TuneBudget = TuneBudget()
+    min_gain_pct: float = Field(default=3.0, ge=0, le=100)
+    objective: TuneObjective | None = None
+    space: dict[TuneText, SpaceEntry] = Field(default={}, max_length=MAX_SPACE_KEYS)
+    seeds: tuple[tuple[TuneText, ...], ...] = Field(default=(), max_length=MAX_SEEDS)
+
+    @field_validator("seeds")
+    @classmethod
+    def _seed_sizes(cls, seeds: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
+        if any(len(seed) > MAX_SEED_ARGS for seed in seeds):
+            raise ValueError(f"a seed has more than {MAX_SEED_ARGS} arguments")
+        return seeds
+
+
+_TUNE_SPEC: TypeAdapter[TuneSpec] = TypeAdapter(TuneSpec)
+
+
+def parse_tune(raw: Any) -> TuneSpec | TuneRefused | None:
+    """An engine block's raw `tune` value → its spec, None where there is none, or why it is
+    refused (the assignment stands). The frame bounds the value's size; the model bounds its parts."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        return TuneRefused("the tune block is not a JSON object")
+    if not _bounded_before_validation(raw):
+        return TuneRefused(f"the tune block's space has more than {MAX_SPACE_KEYS} keys "
+                           f"or its seeds more than {MAX_SEEDS} lists")
+    try:
+        return _TUNE_SPEC.validate_python(raw)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(_cut(str(part)) for part in err["loc"]) or "(block)"
+        return TuneRefused(f"invalid tune block: {where}: {_cut(err['msg'], 2 * SHOWN_LIMIT)}")
+
+
+def _bounded_before_validation(raw: dict[str, Any]) -> bool:
+    """The counts checked before pydantic walks (and reports on) every element."""
+    space, seeds = raw.get("space"), raw.get("seeds")
+    return not ((isinstance(space, dict) and len(space) > MAX_SPACE_KEYS)
+                or (isinstance(seeds, list) and len(seeds) > MAX_SEEDS))
+
+
+class Tune(_Message):
+    """Coordinator → app: start or cancel tuning the assignment, or `forget` its kept result."""
+
+    type: Literal["tune"] = "tune"
+    assignment_id: str = Field(min_length=1)
+    action: Literal["start", "cancel", "forget"]
+
+
+class TuneRefusal(_Message):
+    reason: str
+
+
+class TuningStatus(_Message):
+    """`status.tuning`: where tuning of the current assignment stands."""
+
+    state: Literal["idle", "running", "done", "cancelled", "refused", "failed"] = "idle"
+    trial: int = 0
+    trials_max: int = 0
+    elapsed_s: float = 0.0
+    best_gain_pct: float | None = None
+    refused: TuneRefusal | None = None
+
+
+class Tuned(_Message):
+    """An engine's `tuned`: the arguments it runs with beyond its tier, and what they measured."""
+
+    args: list[str]
+    gain_pct: float
+    noise_pct: float
+
+
+class TuneLevel(_Message):
+    """One concurrency's figures (medians of repeats, warm-up excluded)."""
+
+    concurrency: int
+    aggregate_tok_s: float
+    per_request_tok_s: float
+    ttft_p90_ms: float
+    failed: int = 0
+
+
+class TuneFigures(_Message):
+    args: list[str]
+    levels: list[TuneLevel] = []
+    gain_pct: float | None = None
+    noise_pct: float | None = None
+
+
+class TuneTrial(_Message):
+    """One trial: its arguments, its figures per level, and why it lost (None: it won)."""
+
+    args: list[str]
+    levels: list[TuneLevel] = []
+    lost: str | None = None
+
+
+class TuneReport(_Message):
+    """App → coordinator at the end of a tuning: at most `MAX_TUNE_REPORT_BYTES`, no prompts or answers."""
+
+    type: Literal["tune.report"] = "tune.report"
+    assignment_id: str
+    engine_id: str
+    outcome: Literal["adopted", "kept_baseline", "cancelled", "failed"]
+    baseline: TuneFigures | None = None
+    chosen: TuneFigures | None = None
+    trials: list[TuneTrial] = []
+    elapsed_s: float = 0.0
+
+    def fitted(self) -> TuneReport:
+        """This report within the size limit: the last trials' figures dropped first, then the last
+        trials themselves (each loser's arguments and reason are worth more than its levels)."""
+        report = self
+        trials = list(self.trials)
+        stripped = len(trials)
+        while len(encode(report).encode()) > MAX_TUNE_REPORT_BYTES:
+            if stripped > 0:
+                stripped -= 1
+                trials[stripped] = trials[stripped].model_copy(update={"levels": []})
+            elif trials:
+                trials.pop()
+            else:
+                return report.model_copy(update={"baseline": None, "chosen": None})
+            report = report.model_copy(update={"trials": list(trials)})
+        return report
+
+
 # --- status ----------------------------------------------------------------------------------
 
 
@@ -247,6 +435,7 @@ class EngineStatus(_Message):
     max_concurrency: float | None = None
     restarts: int = 0
     last_error: str | None = None
+    tuned: Tuned | None = None
 
 
 class Throughput(_Message):
@@ -283,6 +472,7 @@ class Status(_Message):
     throughput: Throughput = Throughput()
     gpus: list[GpuStatus] = []
     in_flight: int = 0
+    tuning: TuningStatus | None = None
 
 
 # --- relay -----------------------------------------------------------------------------------
@@ -353,8 +543,8 @@ class Error(_Message):
     ref: str | None = None
 
 
-CoordinatorMessage = Welcome | Assign | Unassign | Pause | Resume | Request | Cancel | Update | Error
-NodeMessage = Hello | Status | ResponseHead | ResponseChunk | ResponseEnd | ResponseError | Error
+CoordinatorMessage = Welcome | Assign | Unassign | Pause | Resume | Request | Cancel | Update | Error | Tune
+NodeMessage = Hello | Status | ResponseHead | ResponseChunk | ResponseEnd | ResponseError | Error | TuneReport
 
 BATCH_FEATURE = "batch"  # in `Welcome.features`: the coordinator unpacks `Batch` frames
 
@@ -375,10 +565,11 @@ _FROM_NODE: TypeAdapter[NodeMessage | Batch] = TypeAdapter(
     Annotated[NodeMessage | Batch, Field(discriminator="type")]
 )
 _COORDINATOR_TYPES = frozenset(
-    {"welcome", "assign", "unassign", "pause", "resume", "request", "cancel", "update", "error"}
+    {"welcome", "assign", "unassign", "pause", "resume", "request", "cancel", "update", "error", "tune"}
 )
 _NODE_TYPES = frozenset(
-    {"hello", "status", "response.head", "response.chunk", "response.end", "response.error", "error", "batch"}
+    {"hello", "status", "response.head", "response.chunk", "response.end", "response.error", "error", "batch",
+     "tune.report"}
 )
 _Parsed = TypeVar("_Parsed")
 

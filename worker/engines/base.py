@@ -183,6 +183,63 @@ class Launch:
     memory_utilization: float | None = None  # the share of each card the plan measured as usable
 
 
+@dataclass(frozen=True)
+class Knob:
+    """One tunable flag of an engine and how a search steps it: an `int` between bounds the engine
+    accepts (one step doubles or halves it, or adds or takes one: `scale`), a `choice` among its
+    ordered `choices` (one step: the next or the one before), or a `switch` (`choices` ("on", "off");
+    on is `flag`, off is `off`, or the flag left out where `off` is None).
+
+    `default`: the engine's own value where the arguments leave the flag out (None: not known, so
+    the search tries the space's values). `grows_memory`: a larger value (later choice) never takes
+    less memory, so a start that ran out of memory rules out every config at or above it."""
+
+    flag: str
+    kind: Literal["int", "choice", "switch"]
+    low: int | None = None
+    high: int | None = None
+    scale: Literal["linear", "pow2"] = "pow2"
+    choices: tuple[str, ...] = ()
+    off: str | None = None
+    default: str | None = None
+    grows_memory: bool = False
+
+
+# An engine's constraints on tuned arguments (baseline, tuned, machine) → the tuned ones made
+# consistent with the baseline and this machine, or None where they cannot be.
+TuningFix = Callable[[Sequence[str], Sequence[str], "Machine"], Union[tuple[str, ...], None]]
+
+
+def _unchanged(baseline: Sequence[str], tuned: Sequence[str], machine: Machine) -> tuple[str, ...] | None:
+    return tuple(tuned)
+
+
+@dataclass(frozen=True)
+class EngineTuning:
+    """What auto-tune may change for one engine (only flags its allowlist has), what it never may
+    (context, memory share, dtype/quantization, layout, remote code: every spelling), the field
+    notes' recipes that apply (`seeds`, tuned arguments), and the log lines that show a
+    fast-looking candidate is broken (`traps`: pattern → the reason key its trial loses with)."""
+
+    knobs: tuple[Knob, ...]
+    never: frozenset[str]
+    seeds: tuple[tuple[str, ...], ...] = ()
+    traps: tuple[tuple[re.Pattern[str], str], ...] = ()
+    constrain: TuningFix = _unchanged
+
+    def fix(self, baseline: Sequence[str], tuned: Sequence[str], machine: Machine) -> tuple[str, ...] | None:
+        """`tuned` (appended after `baseline`, last occurrence winning) within the engine's
+        constraints on this machine, or None where no such arguments exist."""
+        return self.constrain(baseline, tuned, machine)
+
+    def knob(self, flag: str) -> Knob | None:
+        return next((knob for knob in self.knobs if knob.flag == flag), None)
+
+    def trap(self, line: str) -> str | None:
+        """The reason key of the first trap `line` shows, or None."""
+        return next((key for pattern, key in self.traps if pattern.search(line)), None)
+
+
 class EngineAdapter(Protocol):
     """What every engine package provides: how it is started and read, where it runs, how it lays
     out GPUs, what its /metrics and log say, how it is found, which releases it ships with, and the
