@@ -40,6 +40,7 @@ from app.format import (
     rate,
     state_title,
     tray_state,
+    tuning_line,
 )
 from app.gpu_panel import GpuPanel
 from app.widgets import PILL_HEIGHT, Reflow, Values, card, pill_style, set_dimmed, sync_rows
@@ -179,6 +180,7 @@ class Dashboard(QMainWindow):
     def _build_engines(self) -> QFrame:
         frame, layout = card("What it is running")
         layout.addWidget(self.values.label("plan", "muted", wrap=True))
+        layout.addWidget(self.values.label("tuning", "caption", wrap=True))
         self._engine_layout = QVBoxLayout()
         layout.addLayout(self._engine_layout)
         layout.addStretch(1)
@@ -262,6 +264,9 @@ class Dashboard(QMainWindow):
             self.values.set("plan", "Stopped while paused, so your GPU is all yours.")
         else:
             self.values.set("plan", "Waiting for the network to pick a model.")
+        tuning = tuning_line(snapshot.tuning)
+        self.values.set("tuning", tuning)
+        self.values.labels["tuning"].setVisible(bool(tuning))
         sync_rows(
             self._engine_cards,
             {e.engine_id: e for e in snapshot.engines},

@@ -24,6 +24,7 @@ from app.format import (
     gpus_words,
     kv_tooltip,
     retry_words,
+    tuned_words,
 )
 from app.widgets import PILL_HEIGHT, Values, caption, pill_style
 from worker.engines import registry
@@ -36,7 +37,8 @@ ENGINE_COLOURS = {
     "failed": STATE_COLOURS["failed"],
     "paused": STATE_COLOURS["paused"],
 }
-ROWS = (("context", "Context"), ("memory", "Memory"), ("requests", "Requests"), ("health", "Health"))
+ROWS = (("context", "Context"), ("memory", "Memory"), ("requests", "Requests"), ("tuned", "Tuned"),
+        ("health", "Health"))
 
 
 class EngineCard(QFrame):
@@ -111,6 +113,7 @@ class EngineCard(QFrame):
         self._row("context", context_words(engine), kv_tooltip(engine))
         self._row("memory", memory_words(engine))
         self._row("requests", requests_words(engine))
+        self._row("tuned", tuned_words(engine.tuned))
         self._row("health", health_words(engine))
         failed = engine.state in ("failed", "degraded") and bool(engine.last_error)
         self._values.set(f"{key}.error", "Stopped after an error: see Details." if failed else "")

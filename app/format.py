@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from worker.contract.events import EngineSnapshot, GpuSnapshot, NodeSnapshot, PauseReason
+from worker.contract.events import EngineSnapshot, GpuSnapshot, NodeSnapshot, PauseReason, Tuned, TuningSnapshot
 
 TrayState = Literal["idle", "starting", "serving", "paused", "degraded", "failed"]
 
@@ -82,6 +82,8 @@ def status_line(snapshot: NodeSnapshot) -> str:
     """The menu's first line: state, then the model or the reason."""
     if snapshot.paused:
         return pause_line(snapshot)
+    if snapshot.tuning is not None and snapshot.tuning.progress:
+        return snapshot.tuning.progress
     title = state_title(snapshot)
     if snapshot.model and tray_state(snapshot) in ("serving", "starting", "degraded"):
         return f"{title} · {snapshot.model}"
@@ -202,3 +204,31 @@ def retry_words(retry_at: float | None, now: float | None = None) -> str:
     if retry_at is None:
         return ""
     return f"Trying again at {clock_time(retry_at, now)}"
+
+
+def tuned_words(tuned: Tuned | None) -> str:
+    """ "Serves 8 requests at once instead of 1 · 42% faster, measured on this computer"."""
+    if tuned is None:
+        return ""
+    said = "; ".join(tuned.words) or "Other engine settings"
+    return f"{said[:1].upper()}{said[1:]} · {tuned.gain_pct:.0f}% faster, measured on this computer"
+
+
+def tuning_line(tuning: TuningSnapshot | None) -> str:
+    """Where the search for this computer's own settings stands, in a sentence ("" when there is none)."""
+    if tuning is None:
+        return ""
+    if tuning.progress:
+        gain = f"; best so far {tuning.best_gain_pct:.0f}% faster" if tuning.best_gain_pct else ""
+        return (f"{tuning.progress}: trying other settings to serve faster on this computer{gain}. "
+                "Requests go to other computers meanwhile.")
+    if tuning.state == "refused":
+        return f"Not tuning ({tuning.refused or 'the network asked for something this app does not try'}); " \
+               "serving with the network's settings."
+    if tuning.state == "done" and tuning.chosen is not None:
+        return "Tuned for this computer: " + tuned_words(tuning.chosen)
+    return {
+        "done": "Tried other settings; none was reliably faster here, so the network's settings stay.",
+        "cancelled": "Tuning stopped before it finished; it carries on later.",
+        "failed": "Tuning could not finish; serving with the network's settings.",
+    }.get(tuning.state, "")

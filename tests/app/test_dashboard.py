@@ -18,7 +18,7 @@ from app.dashboard import Dashboard
 from app.format import clock_time
 from tests.app import snapshots
 from worker.system.config import LocalEndpoint
-from worker.contract.events import ConnectionSnapshot, DownloadProgress
+from worker.contract.events import ConnectionSnapshot, DownloadProgress, Tuned, TuningSnapshot
 
 JARGON = ("tier", "tensor", "Roofline", "runtime", "Groups [", "physical", "KV ", "pid", "Last error", "Traceback")
 
@@ -84,6 +84,29 @@ def test_no_engine_jargon_on_screen(dashboard, node, bridge, qtbot):
         show(node, qtbot, bridge, make())
         seen = on_screen(dashboard)
         assert not [word for word in JARGON if word in seen], seen
+
+
+TUNED = Tuned(args=("--max-num-seqs", "64"), gain_pct=41.6, noise_pct=1.2,
+              words=("serves up to 64 requests at once instead of 16",))
+
+
+def test_tuning_shows_its_trial_then_the_chosen_settings_in_words_and_the_gain(dashboard, node, bridge, qtbot):
+    running = TuningSnapshot(state="running", trial=4, trials_max=12, best_gain_pct=6.1)
+    show(node, qtbot, bridge, replace(snapshots.serving(), engines=(), state="configured", tuning=running))
+    assert dashboard.text("tuning") == ("Tuning… (trial 4 of 12): trying other settings to serve faster on this "
+                                        "computer; best so far 6% faster. Requests go to other computers meanwhile.")
+    serving = snapshots.serving()
+    done = replace(serving, tuning=TuningSnapshot(state="done", chosen=TUNED),
+                   engines=(replace(serving.engines[0], tuned=TUNED),))
+    show(node, qtbot, bridge, done)
+    said = "Serves up to 64 requests at once instead of 16 · 42% faster, measured on this computer"
+    assert dashboard.text("tuning") == f"Tuned for this computer: {said}"
+    assert dashboard.text("engine:engine-0.tuned") == said
+    seen = on_screen(dashboard)
+    assert said in seen and not [word for word in JARGON + ("--",) if word in seen], seen
+    show(node, qtbot, bridge, serving)
+    assert not dashboard.values.labels["tuning"].isVisibleTo(dashboard)
+    assert not dashboard.values.labels["engine:engine-0.tuned"].isVisibleTo(dashboard)
 
 
 def test_an_engine_the_app_does_not_know_is_shown_by_its_name(dashboard, node, bridge, qtbot):

@@ -8,7 +8,14 @@ import pytest
 from app.bridge import seconds_until_tomorrow
 from app.tray import Tray
 from tests.app import snapshots
-from worker.contract.events import ConnectionSnapshot, EarningsSnapshot, NodeSnapshot, Problem, ThroughputSnapshot
+from worker.contract.events import (
+    ConnectionSnapshot,
+    EarningsSnapshot,
+    NodeSnapshot,
+    Problem,
+    ThroughputSnapshot,
+    TuningSnapshot,
+)
 
 NOW = snapshots.NOW
 PAUSES = ["Pause for 15 min", "Pause for 1 hour", "Pause until tomorrow"]
@@ -56,6 +63,12 @@ def out_of_memory() -> NodeSnapshot:
     return replace(snapshots.failed(), problem=problem)
 
 
+def tuning() -> NodeSnapshot:
+    """Trial engines hold the card: no engine of the assignment serves meanwhile."""
+    running = TuningSnapshot(state="running", trial=4, trials_max=12, elapsed_s=402.0)
+    return replace(snapshots.idle(), state="configured", model=snapshots.MODEL, tuning=running)
+
+
 def stopping(in_flight: int) -> NodeSnapshot:
     return replace(live_serving(), stopping=True, in_flight=in_flight)
 
@@ -93,6 +106,9 @@ def trigger(tray: Tray, text: str) -> None:
          "640 tok/s · $2.23 net today", ["Restart to update", "Pause serving", *PAUSES]),
         (game, "Paused for Cyberpunk2077.exe", "$2.23 net today", ["Resume serving", *PAUSES_WHILE_PAUSED]),
         (lambda: game(None), "Paused for a game", "$2.23 net today", ["Resume serving", *PAUSES_WHILE_PAUSED]),
+        (tuning, "Tuning… (trial 4 of 12)", "$2.23 net today", ["Pause serving", *PAUSES]),
+        (lambda: replace(game(), tuning=tuning().tuning), "Paused for Cyberpunk2077.exe", "$2.23 net today",
+         ["Resume serving", *PAUSES_WHILE_PAUSED]),
     ],
 )
 def test_menu_is_rebuilt_from_the_latest_snapshot(bridge, node, qtbot, make, status, figures, commands):

@@ -18,6 +18,7 @@ ConnectionState = Literal[
 ]
 LIVE_WINDOW_S = 10.0  # the live tok/s figure's sliding window
 StartPhase = Literal["provisioning", "launching", "loading", "compiling", "capturing", "warming", "ready"]
+TuningState = Literal["idle", "running", "done", "cancelled", "refused", "failed"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,38 @@ class ContextNumbers:
 
 
 @dataclass(frozen=True)
+class Tuned:
+    """Arguments this machine measured to be faster than the tier's, laid after them."""
+
+    args: tuple[str, ...]
+    gain_pct: float  # the measured gain over the tier's arguments
+    noise_pct: float  # the run-to-run spread it was measured against
+    words: tuple[str, ...] = ()  # what the arguments do, in a person's words ("serves 8 requests at once")
+
+
+@dataclass(frozen=True)
+class TuningSnapshot:
+    """Where the search for this machine's own arguments stands (the contract's `status.tuning`)."""
+
+    state: TuningState = "idle"
+    trial: int = 0
+    trials_max: int = 0
+    elapsed_s: float = 0.0
+    best_gain_pct: float | None = None
+    refused: str | None = None  # why the assignment's `tune` block was refused (it serves untuned)
+    chosen: Tuned | None = None  # what the last search adopted
+
+    @property
+    def progress(self) -> str | None:
+        """ "Tuning… (trial 4 of 12)" while a search runs, for the tray and `gpu-provider status`."""
+        if self.state != "running":
+            return None
+        if not self.trials_max:
+            return "Tuning…"
+        return f"Tuning… (trial {max(1, self.trial)} of {self.trials_max})"
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     engine_id: str
     engine: EngineName
@@ -85,6 +118,7 @@ class EngineSnapshot:
     failures_in_a_row: int = 0  # quick failures of this start so far ("Restarting (3 of 5)")
     restart_limit: int = 5  # quick failures in a row after which the supervisor gives up
     retry_at: float | None = None  # wall-clock seconds of the next start while waiting to restart
+    tuned: Tuned | None = None  # the measured arguments it runs with after its tier's, if any
 
 
 @dataclass(frozen=True)
@@ -210,8 +244,10 @@ class NodeSnapshot:
     update_ready: str | None = None  # a downloaded, verified update's version, applied on restart
     last_capacity: MeasuredCapacity | None = None  # the latest run's measured capacity, kept across pauses
     game_detection: str | None = None  # where not every game can be seen: what auto-pause sees, in words
+    tuning: TuningSnapshot | None = None  # None: nothing to tune (no `tune` block, or not offered)
 
     def without_clock(self) -> NodeSnapshot:
         """The snapshot with the fields that move every tick zeroed: equal ones look the same."""
-        return replace(self, at=0.0, throughput=replace(self.throughput, run_seconds=0.0))
+        tuning = replace(self.tuning, elapsed_s=0.0) if self.tuning is not None else None
+        return replace(self, at=0.0, throughput=replace(self.throughput, run_seconds=0.0), tuning=tuning)
 

@@ -29,7 +29,7 @@ from worker.plan.planner import EnginePlan, Plan
 from worker.provision.errors import ProvisionError
 
 PauseReason = Literal["user", "timed", "coordinator", "game"]
-Gate = Literal["paused", "draining", "not_ready"]
+Gate = Literal["paused", "draining", "tuning", "not_ready"]
 
 
 @dataclass(frozen=True)
@@ -289,12 +289,15 @@ def resume_due(state: State, now: float) -> bool:
     return state.pause is not None and state.pause.until is not None and now >= state.pause.until
 
 
-def gate(state: State, *, draining: bool, ready: bool) -> Gate | None:
-    """Why the relay refuses a request now (the contract's 503 codes); None: it may forward it."""
+def gate(state: State, *, draining: bool, ready: bool, tuning: bool = False) -> Gate | None:
+    """Why the relay refuses a request now (the contract's 503 codes); None: it may forward it.
+    `tuning`: trial engines hold the card, measured on the app's own prompts, never callers'."""
     if state.pause is not None:
         return "paused"
     if draining:
         return "draining"
+    if tuning:
+        return "tuning"
     if not ready:
         return "not_ready"
     return None

@@ -106,6 +106,27 @@ def _num(value: Any, unit: str = "", digits: int = 1) -> str:
     return f"{value:,}{unit}"
 
 
+def _tuning_lines(tuning: Any) -> list[str]:
+    """ "Tuning… (trial 4 of 12)" while a search runs; else what it adopted, refused or ended as."""
+    if not isinstance(tuning, dict):
+        return []
+    state = tuning.get("state")
+    if state == "running":
+        trial, most = tuning.get("trial") or 0, tuning.get("trials_max") or 0
+        line = f"Tuning… (trial {max(1, trial)} of {most})" if most else "Tuning…"
+        return [f"  tuning      {line}, {_num(tuning.get('elapsed_s'), ' s', 0)} so far"]
+    if state == "refused":
+        return [f"  tuning      refused: {tuning.get('refused') or 'no reason given'} (serving untuned)"]
+    chosen = tuning.get("chosen")
+    if isinstance(chosen, dict):
+        words = "; ".join(chosen.get("words") or ()) or " ".join(chosen.get("args") or ())
+        return [f"  tuning      {words} ({_num(chosen.get('gain_pct'), ' %', 1)} faster, measured here)"]
+    ended = {"done": "done: nothing measured reliably faster, so the tier's arguments stay",
+             "cancelled": "cancelled before it finished (it carries on later)",
+             "failed": "failed: serving with the tier's arguments"}
+    return [f"  tuning      {ended[state]}"] if state in ended else []
+
+
 def status_table(data: dict[str, Any]) -> str:
     snap = data["snapshot"]
     lines = [
@@ -117,6 +138,7 @@ def status_table(data: dict[str, Any]) -> str:
     ]
     if snap.get("problem"):
         lines.append(f"  problem     {snap['problem']['title']}: {snap['problem']['message']}")
+    lines += _tuning_lines(snap.get("tuning"))
     if data.get("local_endpoint"):
         local = data["local_endpoint"]
         lines += [f"  local API   {local['url']}   (programs on this computer only)",

@@ -23,6 +23,8 @@ from worker.contract.events import (
     NodeState,
     Problem,
     ThroughputSnapshot,
+    Tuned,
+    TuningSnapshot,
 )
 from worker.hardware import Gpu, GpuSample, Machine
 from worker.measure.ledger import SERVING_SERIES
@@ -92,8 +94,10 @@ def build_status(
     figures: ThroughputSnapshot,
     gpus: Iterable[GpuSample],
     in_flight: int,
+    tuning: TuningSnapshot | None = None,
 ) -> protocol.Status:
-    """The `status` message: what the coordinator learns of this node."""
+    """The `status` message: what the coordinator learns of this node (`engines` with the
+    measured arguments each runs with laid over them: `engine_views`)."""
     return protocol.Status(
         state=state,
         assignment_id=assignment.assignment_id if assignment else None,
@@ -113,6 +117,8 @@ def build_status(
                 max_concurrency=e.max_concurrency,
                 restarts=e.restarts,
                 last_error=e.last_error,
+                tuned=protocol.Tuned(args=list(e.tuned.args), gain_pct=e.tuned.gain_pct, noise_pct=e.tuned.noise_pct)
+                if e.tuned is not None else None,
             )
             for e in engines
         ],
@@ -134,20 +140,38 @@ def build_status(
             for s in gpus
         ],
         in_flight=in_flight,
+        tuning=tuning_status(tuning),
+    )
+
+
+def tuning_status(tuning: TuningSnapshot | None) -> protocol.TuningStatus | None:
+    """`status.tuning`: the snapshot's part the contract names (a refusal's reason as an object)."""
+    if tuning is None:
+        return None
+    return protocol.TuningStatus(
+        state=tuning.state, trial=tuning.trial, trials_max=tuning.trials_max, elapsed_s=round(tuning.elapsed_s, 1),
+        best_gain_pct=tuning.best_gain_pct,
+        refused=protocol.TuneRefusal(reason=tuning.refused) if tuning.refused is not None else None,
     )
 
 
 def status_key(status: protocol.Status) -> tuple[Any, ...]:
     """What makes a `status` worth sending before the next heartbeat: a change in the node's or an
-    engine's state, an engine's restarts, the error or the refusal (figures move every second)."""
-    return (status.state, tuple((e.engine_id, e.state, e.restarts) for e in status.engines), status.last_error,
-            status.refused)
+    engine's state, an engine's restarts or tuned arguments, the error, the refusal, or tuning's
+    state and trial (figures and the time tuning took move every second)."""
+    tuning = (status.tuning.state, status.tuning.trial, status.tuning.refused) if status.tuning else None
+    return (status.state, tuple((e.engine_id, e.state, e.restarts, e.tuned) for e in status.engines),
+            status.last_error, status.refused, tuning)
 
 
-def engine_views(engines: Iterable[EngineSnapshot], metrics: Mapping[str, EngineMetrics]) -> tuple[EngineSnapshot, ...]:
-    """The supervisors' snapshots with the latest /metrics figures laid over the serving ones."""
+def engine_views(engines: Iterable[EngineSnapshot], metrics: Mapping[str, EngineMetrics],
+                 tuned: Mapping[str, Tuned] | None = None) -> tuple[EngineSnapshot, ...]:
+    """The supervisors' snapshots with the latest /metrics figures laid over the serving ones, and
+    the measured arguments each runs with (`tuned`, by engine id)."""
     views = []
     for snap in engines:
+        if tuned and snap.engine_id in tuned:
+            snap = dataclasses.replace(snap, tuned=tuned[snap.engine_id])
         latest = metrics.get(snap.engine_id)
         if latest is not None and snap.state in ("ready", "degraded"):
             snap = dataclasses.replace(
@@ -200,10 +224,13 @@ def build_snapshot(
     stopping: bool = False,
     update_ready: str | None = None,
     game_detection: str | None = None,
+    tuning: TuningSnapshot | None = None,
+    tuned: Mapping[str, Tuned] | None = None,
 ) -> NodeSnapshot:
     """The `NodeSnapshot` the app renders. `lent`: the cards the user lends (None: all);
     `earnings` None until the ledger was first read; `last_capacity` the latest run's measured
-    capacity, kept while nothing serves; `machine` None while it is being detected."""
+    capacity, kept while nothing serves; `machine` None while it is being detected; `tuning` where
+    the tier's arguments are being (or were) measured against others, `tuned` by engine id."""
     lent_set = set(lent) if lent is not None else None
     kwargs: dict[str, Any] = {}
     if earnings is not None:
@@ -223,7 +250,7 @@ def build_snapshot(
         gpus=tuple(gpu_view(g, gpu_samples.get(g.index), lent_set) for g in (machine.gpus if machine else ())),
         groups=tuple(tuple(g.gpu_indices) for g in (machine.groups if machine else ())),
         effective_vram_mib=machine.effective_vram_mib if machine else 0,
-        engines=engine_views(engines, metrics),
+        engines=engine_views(engines, metrics, tuned),
         throughput=throughput,
         connection=connection,
         downloads=tuple(downloads),
@@ -234,6 +261,7 @@ def build_snapshot(
         stopping=stopping,
         update_ready=update_ready,
         game_detection=game_detection,
+        tuning=tuning,
         **kwargs,
     )
 
@@ -252,3 +280,75 @@ def chart_points(throughput: ThroughputSnapshot, kv_usage_pct: float | None,
         rows += [(f"gpu{sample.index}.util_pct", sample.util_pct), (f"gpu{sample.index}.power_w", sample.power_w),
                  (f"gpu{sample.index}.temperature_c", sample.temperature_c)]
     return rows
+
+
+# --- tuned arguments in a person's words ---------------------------------------------------------
+
+_VALUE_WORDS: dict[str, str] = {
+    "--max-num-seqs": "serves up to {} requests at once",
+    "--max-running-requests": "serves up to {} requests at once",
+    "-np": "serves {} requests at once",
+    "--parallel": "serves {} requests at once",
+    "--max-num-batched-tokens": "reads prompts {} tokens at a time",
+    "--chunked-prefill-size": "reads prompts {} tokens at a time",
+    "-b": "reads prompts {} tokens at a time",
+    "--batch-size": "reads prompts {} tokens at a time",
+    "-ub": "works on {} prompt tokens per step",
+    "--ubatch-size": "works on {} prompt tokens per step",
+    "-t": "uses {} processor threads",
+    "--threads": "uses {} processor threads",
+    "-tb": "uses {} processor threads to read prompts",
+    "--threads-batch": "uses {} processor threads to read prompts",
+    "--num-speculative-tokens": "guesses {} words ahead",
+    "--cuda-graph-max-bs": "prepares the GPU's work ahead for up to {} requests at once",
+}
+_SWITCH_WORDS: dict[str, str] = {
+    "--enforce-eager": "skips preparing the GPU's work ahead",
+    "--no-enforce-eager": "prepares the GPU's work ahead",
+    "--disable-cuda-graph": "skips preparing the GPU's work ahead",
+    "-cb": "lets requests share each step",
+    "--cont-batching": "lets requests share each step",
+}
+_UNSAID = frozenset({"-c", "--ctx-size"})  # llama.cpp's context follows its slots: each request keeps its own
+
+
+def tuned_words(chosen: Sequence[str], baseline: Sequence[str]) -> tuple[str, ...]:
+    """What the chosen arguments change, one phrase each ("serves 8 requests at once instead of
+    1"), where `baseline` is what they are laid after. Linear in the arguments."""
+    before = _flag_values(baseline)
+    words = []
+    for flag, value in _flag_values(chosen).items():
+        if flag in _UNSAID or before.get(flag, _NOTHING) == value:
+            continue
+        if value is None and flag in _SWITCH_WORDS:
+            words.append(_SWITCH_WORDS[flag])
+        elif value is not None and flag in _VALUE_WORDS:
+            phrase = _VALUE_WORDS[flag].format(value)
+            old = before.get(flag)
+            words.append(f"{phrase} instead of {old}" if isinstance(old, str) else phrase)
+        else:
+            words.append(f"sets {flag} to {value}" if value is not None else f"turns on {flag}")
+    return tuple(words)
+
+
+_NOTHING = object()
+
+
+def _flag_values(args: Sequence[str]) -> dict[str, str | None]:
+    """Each flag's last value (None: a switch); `--flag=value` and `--flag value` alike."""
+    values: dict[str, str | None] = {}
+    i = 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        if eq:
+            values[flag] = value
+        elif i + 1 < len(args) and not _is_flag(args[i + 1]):
+            values[flag], i = args[i + 1], i + 1
+        else:
+            values[flag] = None
+        i += 1
+    return values
+
+
+def _is_flag(token: str) -> bool:
+    return token.startswith("-") and not token[1:2].isdigit()

@@ -45,7 +45,7 @@ from worker.relay.body import (
 
 log = logging.getLogger(__name__)
 
-GateCode = Literal["paused", "draining", "not_ready"]
+GateCode = Literal["paused", "draining", "tuning", "not_ready"]
 
 DRAIN_TIMEOUT_S = 30.0
 _FRAME_CHARS = 1 << 20  # at most 6 MiB once JSON-escaped: far below the protocol's 16 MiB
@@ -54,6 +54,8 @@ PROGRESS_EVERY_S = 1.0
 _GATE_MESSAGES: dict[str, str] = {
     "paused": "this node is paused by its owner; send the request to another node",
     "draining": "this node is finishing its current requests before it stops; send the request elsewhere",
+    "tuning": "this node is measuring which engine settings serve fastest on it, for a few minutes; send the "
+              "request elsewhere",
     "not_ready": "no engine on this node is ready to serve yet; send the request elsewhere",
 }
 

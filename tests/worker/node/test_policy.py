@@ -283,6 +283,13 @@ def test_the_gate_gives_the_contracts_503_codes():
     assert policy.gate(SERVING, draining=False, ready=False) == "not_ready"
 
 
+def test_a_tuning_node_refuses_requests_with_tuning_unless_paused_or_draining():
+    assert policy.gate(SERVING, draining=False, ready=False, tuning=True) == "tuning"
+    assert policy.gate(SERVING, draining=True, ready=True, tuning=True) == "draining"
+    paused = dataclasses.replace(SERVING, pause=Pause("game", None))
+    assert policy.gate(paused, draining=False, ready=True, tuning=True) == "paused"
+
+
 def test_a_commit_keeps_a_pause_made_while_the_decision_drained():
     decision = decide(SERVING, Provisioned(NEW, plan_for(NEW), ()))
     meanwhile = dataclasses.replace(SERVING, pause=Pause("user", None))

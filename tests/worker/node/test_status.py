@@ -10,7 +10,7 @@ from pathlib import Path
 
 from worker import __version__
 from worker.system.config import LocalEndpoint, Paths, local_endpoint_key, save_local_endpoint
-from worker.contract.events import ConnectionSnapshot, NodeSnapshot, ThroughputSnapshot
+from worker.contract.events import ConnectionSnapshot, NodeSnapshot, ThroughputSnapshot, Tuned, TuningSnapshot
 from worker.node.status import STATUS_FILE_S, StatusFile, read_status, status_table
 
 SNAP = NodeSnapshot(at=1.0, state="ready", node_id="n-1", runtime="native", model="qwen3-8b")
@@ -102,3 +102,19 @@ def test_a_link_planted_at_the_status_file_is_replaced_and_its_target_untouched(
     assert not paths.status_file.is_symlink() and stat.S_IMODE(paths.status_file.lstat().st_mode) == 0o600
     data = read_status(paths)
     assert data is not None and data["snapshot"]["model"] == "qwen3-8b"
+
+
+def test_the_table_says_tuning_and_its_trial_then_what_it_chose(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path).ensure()
+    running = TuningSnapshot(state="running", trial=4, trials_max=12, elapsed_s=402.0)
+    StatusFile(paths, lambda: True).write(dataclasses.replace(SNAP, tuning=running))
+    data = read_status(paths)
+    assert data is not None and "Tuning… (trial 4 of 12), 402 s so far" in status_table(data)
+    chosen = Tuned(args=("-np", "8"), gain_pct=41.5, noise_pct=1.0, words=("serves 8 requests at once instead of 1",))
+    StatusFile(paths, lambda: True).write(dataclasses.replace(SNAP, tuning=TuningSnapshot(state="done", chosen=chosen)))
+    data = read_status(paths)
+    assert data is not None and "serves 8 requests at once instead of 1 (41.5 % faster" in status_table(data)
+    refused = TuningSnapshot(state="refused", refused="--max-model-len is never tuned")
+    StatusFile(paths, lambda: True).write(dataclasses.replace(SNAP, tuning=refused))
+    data = read_status(paths)
+    assert data is not None and "refused: --max-model-len is never tuned (serving untuned)" in status_table(data)

@@ -3,6 +3,8 @@ snapshot and the chart points."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from worker.contract import protocol
@@ -15,6 +17,8 @@ from worker.contract.events import (
     NodeSnapshot,
     Problem,
     ThroughputSnapshot,
+    Tuned,
+    TuningSnapshot,
 )
 from worker.hardware import Gpu, GpuSample, Machine
 from worker.hardware.model import GpuGroup
@@ -30,6 +34,8 @@ from worker.node.view import (
     node_state,
     status_key,
     summarise,
+    tuned_words,
+    tuning_status,
 )
 
 MODEL = protocol.ModelSpec(name="qwen3-8b", vllm=protocol.EngineModel(source="hf:Qwen/Qwen3-8B", weights_mib=16000))
@@ -196,3 +202,55 @@ def test_chart_points_of_eight_cards() -> None:
     names = [name for name, _ in chart_points(ThroughputSnapshot(live_tokens_per_s=1.0), 10.0, samples)]
     assert len(names) == len(set(names)) == 2 + 8 * 3
     assert "gpu7.temperature_c" in names and "gpu_util" not in names and "power_w" not in names
+
+
+# --- tuning -------------------------------------------------------------------------------------
+
+TUNED = Tuned(args=("-np", "8", "-c", "32768"), gain_pct=41.5, noise_pct=1.2,
+              words=("serves 8 requests at once instead of 1",))
+
+
+def test_status_says_where_tuning_stands_and_what_each_engine_runs_with() -> None:
+    running = TuningSnapshot(state="running", trial=4, trials_max=12, elapsed_s=402.04, best_gain_pct=6.1)
+    status = build_status(state="ready", assignment=ASSIGN, problem=None, refused=None,
+                          engines=engine_views([engine()], {}, {"e0": TUNED}), figures=ThroughputSnapshot(),
+                          gpus=[], in_flight=0, tuning=running)
+    assert status.tuning == protocol.TuningStatus(state="running", trial=4, trials_max=12, elapsed_s=402.0,
+                                                  best_gain_pct=6.1)
+    assert status.engines[0].tuned == protocol.Tuned(args=["-np", "8", "-c", "32768"], gain_pct=41.5, noise_pct=1.2)
+    refused = tuning_status(TuningSnapshot(state="refused", refused="--max-model-len is never tuned"))
+    assert refused is not None and refused.refused == protocol.TuneRefusal(reason="--max-model-len is never tuned")
+    assert build_status(state="idle", assignment=None, problem=None, refused=None, engines=[],
+                        figures=ThroughputSnapshot(), gpus=[], in_flight=0).tuning is None
+
+
+def test_the_status_key_changes_with_each_trial_but_not_with_the_time_it_took() -> None:
+    def status(trial: int, elapsed_s: float) -> protocol.Status:
+        return build_status(state="ready", assignment=ASSIGN, problem=None, refused=None, engines=[engine()],
+                            figures=ThroughputSnapshot(), gpus=[], in_flight=0,
+                            tuning=TuningSnapshot(state="running", trial=trial, trials_max=12, elapsed_s=elapsed_s))
+
+    assert status_key(status(4, 10.0)) == status_key(status(4, 11.0))
+    assert status_key(status(4, 10.0)) != status_key(status(5, 10.0))
+
+
+def test_the_snapshot_carries_tuning_and_each_engines_tuned_arguments() -> None:
+    tuning = TuningSnapshot(state="done", chosen=TUNED)
+    snap = build_snapshot(at=1.0, state="ready", node_id="n", machine=MACHINE, lent=None, gpu_samples={}, pause=None,
+                          assignment=ASSIGN, problem=None, engines=[engine()], metrics={},
+                          throughput=ThroughputSnapshot(), connection=ConnectionSnapshot("local", "connected"),
+                          downloads=(), in_flight=0, notices=(), earnings=None, tuning=tuning, tuned={"e0": TUNED})
+    assert snap.tuning == tuning and snap.engines[0].tuned == TUNED
+    assert snap.without_clock() == dataclasses.replace(snap, at=5.0).without_clock()
+
+
+@pytest.mark.parametrize(("chosen", "baseline", "words"), [
+    (("-np", "8", "-c", "32768"), ("-c", "4096", "-np", "1"), ("serves 8 requests at once instead of 1",)),
+    (("--max-num-seqs=64", "--no-enforce-eager"), ("--enforce-eager",),
+     ("serves up to 64 requests at once", "prepares the GPU's work ahead")),
+    (("-t", "4", "--max-num-batched-tokens", "2048"), ("-t", "4"), ("reads prompts 2048 tokens at a time",)),
+    (("--some-new-flag", "3"), (), ("sets --some-new-flag to 3",)),
+])
+def test_tuned_arguments_read_in_a_persons_words(chosen: tuple[str, ...], baseline: tuple[str, ...],
+                                                 words: tuple[str, ...]) -> None:
+    assert tuned_words(chosen, baseline) == words

@@ -138,7 +138,7 @@ async def test_only_get_and_post_under_v1_are_relayed(engine, http, method: str,
     assert engine.records == []
 
 
-@pytest.mark.parametrize("code", ["paused", "draining", "not_ready"])
+@pytest.mark.parametrize("code", ["paused", "draining", "tuning", "not_ready"])
 async def test_gate_refuses_with_503_and_its_code(engine, http, code: str) -> None:
     wire = Wire()
     await make_relay(wire, http, engine, gate=lambda: code).handle(request())
@@ -146,6 +146,14 @@ async def test_gate_refuses_with_503_and_its_code(engine, http, code: str) -> No
     assert (error.status, error.code) == (503, code)
     assert error.message
     assert engine.records == []
+
+
+async def test_a_tuning_node_without_a_ready_engine_says_tuning(http) -> None:
+    """Trial engines are no serving engines: the caller learns why there is none, and that it passes."""
+    wire = Wire()
+    await make_relay(wire, http, gate=lambda: "tuning").handle(request())
+    (error,) = wire.of("r-1")
+    assert (error.status, error.code) == (503, "tuning") and "settings" in error.message
 
 
 async def test_no_ready_engine_is_503_not_ready(http) -> None:
