@@ -586,7 +586,7 @@ async def test_streams_through_a_batching_link_arrive_byte_for_byte_in_order_wit
             await coordinator.wait_for("hello")
             while link.welcome is None:
                 await asyncio.sleep(0.005)
-            assert link.welcome.features == ["batch"]
+            assert "batch" in link.welcome.features
             exchanges = [await coordinator.request(request().body) for _ in range(8)]
             expected = await direct(engine, http, {"messages": [], "stream": True, "max_tokens": 200})
             for exchange in exchanges:

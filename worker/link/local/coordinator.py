@@ -3,7 +3,9 @@
 Local mode (`--coordinator local`) and the tests both run it. It checks the Bearer token,
 answers `hello` with `welcome` (and the assignment it was given), sends `request` frames and
 hands their `response.*` frames back on an `Exchange`. Its welcome lists `batch` unless built with
-`batch=False`; a `batch` frame is unpacked, so every consumer sees the node's messages one by one. The OpenAI-compatible HTTP side is
+`batch=False`, and `autotune` unless built with `autotune=False` (its assignment's engine blocks may
+carry `tune` blocks; `tune()` sends the `tune` message); a `batch` frame is unpacked, so every
+consumer sees the node's messages one by one. The OpenAI-compatible HTTP side is
 `openai_endpoint.py`, a client of `request` and `cancel` like any test.
 
 The tests also need a coordinator that misbehaves and remembers: the attributes and methods
@@ -17,7 +19,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -99,6 +101,7 @@ class ReferenceCoordinator:
         record: bool = True,
         close_timeout: float = 2.0,
         batch: bool = True,
+        autotune: bool = True,
     ) -> None:
         self.token = token  # None: any token (or none) is accepted
         self.assign = assign  # sent after welcome to every node that connects
@@ -116,7 +119,9 @@ class ReferenceCoordinator:
         self._hello_timeout_s = hello_timeout_s
         self._ping_interval = ping_interval
         self._close_timeout = close_timeout
-        self._features = [protocol.BATCH_FEATURE] if batch else []  # False: tests of the unbatched path
+        # False: tests of the unbatched path, and of a node whose coordinator does not read tuning
+        self._features = [f for f, offered in ((protocol.BATCH_FEATURE, batch), (protocol.AUTOTUNE_FEATURE, autotune))
+                          if offered]
         self._server: Server | None = None
         self._node: ServerConnection | None = None
         self._exchanges: dict[str, Exchange] = {}
@@ -180,6 +185,10 @@ class ReferenceCoordinator:
 
     async def cancel(self, request_id: str) -> None:
         await self.send(protocol.Cancel(id=request_id))
+
+    async def tune(self, assignment_id: str, action: Literal["start", "cancel", "forget"] = "start") -> None:
+        """Asks the node to start or cancel tuning `assignment_id`, or to forget what it kept."""
+        await self.send(protocol.Tune(assignment_id=assignment_id, action=action))
 
     async def wait_for_connections(self, count: int, timeout: float = 5.0) -> protocol.Hello:
         """Waits until `count` nodes have said hello in all; returns the latest hello."""

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import secrets
-from typing import Protocol, Self
+from functools import partial
+from typing import Any, Protocol, Self
 
 from worker.contract import protocol
 from worker.system.config import LocalEndpoint, Paths, local_endpoint_key, save_local_endpoint
@@ -45,7 +46,8 @@ class LocalCoordinator:
 
     def __init__(self, *, token: str, machine: HasRuntime, model: str | None = None,
                  openai_port: int | None = None, port: int = 0, batch: bool = True,
-                 paths: Paths | None = None) -> None:
+                 paths: Paths | None = None, tune: dict[str, Any] | None = None) -> None:
+        """`tune`: the `tune` block the assignment's engine block carries (None: none)."""
         self._token = token
         self._runtime = machine.runtime
         self._model = model
@@ -54,13 +56,14 @@ class LocalCoordinator:
         self._key: str | None = None
         self._port = port
         self._batch = batch  # welcome lists "batch": the node may pack its messages into one frame
+        self._tune = tune
         self._coordinator: ReferenceCoordinator | None = None
         self._endpoint: OpenAIEndpoint | None = None
 
     async def start(self) -> Self:
         """Builds the assignment (raises `LocalModelError` with what to do) and starts serving
         (`LocalEndpointError` when the endpoint's port is taken)."""
-        assign = await asyncio.to_thread(local_assignment, self._runtime, self._model)
+        assign = await asyncio.to_thread(partial(local_assignment, self._runtime, self._model, tune=self._tune))
         if self._key is None:
             self._key = await asyncio.to_thread(self._load_key)
         coordinator = await ReferenceCoordinator(token=self._token, port=self._port, assign=assign,

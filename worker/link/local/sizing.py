@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from worker.contract import protocol
 from worker.engines import registry
@@ -39,9 +40,11 @@ class LocalModelError(ValueError):
     title = "The local model cannot be used"  # the problem's title where a person sees it
 
 
-def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int | None = None) -> protocol.Assign:
+def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int | None = None,
+                     tune: dict[str, Any] | None = None) -> protocol.Assign:
     """The `assign` local mode sends: the block of the first engine of `runtime` that reads the
-    model's form (a GGUF file, path or URL; or a model folder or Hugging Face repo). A local path is measured on disk (a few stat calls: call this
+    model's form (a GGUF file, path or URL; or a model folder or Hugging Face repo), with `tune` as
+    its `tune` block where given. A local path is measured on disk (a few stat calls: call this
     from a thread). A URL carries its hash as `URL#sha256=HEX`: downloads are always verified."""
     text = model or DEFAULT_LOCAL_MODEL
     text, sha256 = _split_hash(text)
@@ -65,7 +68,7 @@ def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int
     defaults = adapter.LOCAL_DEFAULTS
     spec = protocol.EngineModel(source=source.value, sha256=sha256 if gguf else None, weights_mib=size,
                                 base_args=list(defaults.base_args),
-                                tiers={key: list(args) for key, args in defaults.tiers.items()})
+                                tiers={key: list(args) for key, args in defaults.tiers.items()}, tune=tune)
     return protocol.Assign(assignment_id=LOCAL_ASSIGNMENT_ID, model=protocol.ModelSpec(name=name, **{adapter.NAME: spec}))
 
 

@@ -118,13 +118,33 @@ async def test_a_coordinator_that_does_not_record_keeps_nothing_while_relaying(
         await asyncio.wait_for(task, 5)
 
 
-@pytest.mark.parametrize("batch", [True, False])
-async def test_welcome_lists_batch_only_when_the_coordinator_batches(batch: bool) -> None:
-    async with ReferenceCoordinator(token=TOKEN, batch=batch) as reference, \
+@pytest.mark.parametrize(("batch", "autotune", "features"), [
+    (True, True, ["batch", "autotune"]), (False, True, ["autotune"]), (True, False, ["batch"]), (False, False, [])])
+async def test_welcome_lists_what_the_coordinator_offers(batch: bool, autotune: bool, features: list[str]) -> None:
+    async with ReferenceCoordinator(token=TOKEN, batch=batch, autotune=autotune) as reference, \
             connect(reference.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
         await ws.send(protocol.encode(HELLO))
         welcome = protocol.parse_from_coordinator(await ws.recv(), engine_names=())
-        assert isinstance(welcome, protocol.Welcome) and welcome.features == (["batch"] if batch else [])
+        assert isinstance(welcome, protocol.Welcome) and welcome.features == features
+
+
+async def test_tune_blocks_and_tune_messages_reach_the_node_as_sent() -> None:
+    block = {"when": ["on_request"], "budget": {"max_trials": 4}, "space": {"-np": {"min": 1, "max": 8}}}
+    engine = protocol.EngineModel(source="/m.gguf", weights_mib=10, tune=block)
+    assign = protocol.Assign(assignment_id="a-7", model=protocol.ModelSpec(name="m", llamacpp=engine))
+    async with ReferenceCoordinator(token=TOKEN, assign=assign) as reference, \
+            connect(reference.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+        await ws.send(protocol.encode(HELLO))
+        await ws.recv()  # welcome
+        sent = protocol.parse_from_coordinator(await ws.recv(), engine_names=("llamacpp",))
+        assert isinstance(sent, protocol.Assign)
+        tune = protocol.parse_tune(sent.model.engines["llamacpp"].tune)
+        assert isinstance(tune, protocol.TuneSpec) and tune.when == ("on_request",) and tune.budget.max_trials == 4
+        await reference.wait_for_connections(1)
+        for action in ("start", "cancel", "forget"):
+            await reference.tune("a-7", action)  # type: ignore[arg-type]
+            message = protocol.parse_from_coordinator(await ws.recv(), engine_names=())
+            assert message == protocol.Tune(assignment_id="a-7", action=action)
 
 
 async def test_a_batch_is_unpacked_for_exchanges_and_received_in_order(coordinator: ReferenceCoordinator) -> None:

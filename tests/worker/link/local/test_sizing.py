@@ -26,6 +26,16 @@ def test_local_assignment_for_a_gguf_file_uses_llamacpp_and_its_size(tmp_path: P
     assert (block.source, block.weights_mib) == (str(model), 3)
 
 
+def test_local_assignment_carries_the_tune_block_it_is_given(tmp_path: Path) -> None:
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"\0" * 2**20)
+    tune = {"when": ["idle"], "space": {"-np": {"min": 1, "max": 8}}}
+    block = local_assignment("cpu", str(model), tune=tune).model.for_engine("llamacpp")
+    assert block is not None and block.tune == tune
+    untuned = local_assignment("cpu", str(model)).model.for_engine("llamacpp")
+    assert untuned is not None and untuned.tune is None
+
+
 def test_local_assignment_of_a_model_folder_counts_only_weights(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\0" * (2 * 2**20))
     (tmp_path / "notes.txt").write_bytes(b"\0" * (5 * 2**20))
