@@ -61,7 +61,7 @@ def pauser(node: Node, settings: Settings, now: list[float]) -> AutoPauser:
         node,
         lambda: settings,
         lambda: gpu_processes(PynvmlSource()),
-        fullscreen=lambda: False,
+        fullscreen=lambda: (),  # no full-screen app: names of none
         clock=lambda: now[0],
         local_hour=lambda: 12.0,
     )
