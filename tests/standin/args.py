@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ class ServeArgs:
     gpu_memory_utilization: float
     enforce_eager: bool
     non_default: dict[str, object]
+    max_num_batched_tokens: int | None = None  # None: vLLM's default for the card (performance.py)
+    speculative: dict[str, object] | None = None  # `--speculative-config` with `--spec-method/--spec-tokens` merged
+    max_cudagraph_capture_size: int | None = None
+    cudagraph_mode: str | None = None  # `--compilation-config`'s `cudagraph_mode`; "NONE" turns graphs off
 
     @property
     def served_name(self) -> str:
@@ -56,6 +61,27 @@ def _max_model_len(text: str) -> int:
     return int(float(number) * scale)
 
 
+def _json_object(text: str) -> dict[str, object]:
+    """vLLM reads `--speculative-config` and `--compilation-config` as a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _speculative(space: argparse.Namespace) -> dict[str, object] | None:
+    """`--spec-method` and `--spec-tokens` set `method` and `num_speculative_tokens` of the config."""
+    config: dict[str, object] = dict(space.speculative_config or {})
+    if space.spec_method is not None:
+        config["method"] = space.spec_method
+    if space.spec_tokens is not None:
+        config["num_speculative_tokens"] = space.spec_tokens
+    return config or None
+
+
 def _parser() -> _Parser:
     parser = _Parser(prog="vllm serve", add_help=False)
     parser.add_argument("model")
@@ -74,7 +100,11 @@ def _parser() -> _Parser:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", "-q")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--speculative-config", "-sc")
+    parser.add_argument("--speculative-config", "-sc", type=_json_object)
+    parser.add_argument("--spec-method")
+    parser.add_argument("--spec-tokens", type=int)
+    parser.add_argument("--compilation-config", "-cc", type=_json_object)
+    parser.add_argument("--max-cudagraph-capture-size", type=int)
     parser.add_argument("--generation-config")
     parser.add_argument("--uvicorn-log-level", default="info")
     parser.add_argument("--disable-access-log-for-endpoints")
@@ -134,4 +164,8 @@ def parse_serve(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Ser
         gpu_memory_utilization=space.gpu_memory_utilization,
         enforce_eager=bool(space.enforce_eager),
         non_default=non_default,
+        max_num_batched_tokens=space.max_num_batched_tokens,
+        speculative=_speculative(space),
+        max_cudagraph_capture_size=space.max_cudagraph_capture_size,
+        cudagraph_mode=str((space.compilation_config or {}).get("cudagraph_mode") or "") or None,
     )

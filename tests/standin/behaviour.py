@@ -20,6 +20,9 @@
 | `STANDIN_FREEZE_AFTER_REQUESTS` | after this many completions, no endpoint answers any more |
 | `STANDIN_IGNORE_SIGTERM` | `1`: ignore SIGTERM and SIGINT, so only SIGKILL stops it |
 | `STANDIN_ENGINE_CORE` | `0`: no engine-core child process (default `1`, as vLLM runs one) |
+| `STANDIN_PERF_SCALE` | paces tokens by the field notes' speeds (performance.py), this many times faster; unset: no pacing |
+| `VLLM_LOG_STATS_INTERVAL` | vLLM's own: seconds between its stats lines (10), scaled with `STANDIN_PERF_SCALE` |
+| `STANDIN_DRAFTER_GRAPH_CHUNK` | the `--max-num-batched-tokens` from which the drafter's CUDA graph fails (8192) |
 """
 
 from __future__ import annotations
@@ -49,6 +52,16 @@ def _mib_list(env: Mapping[str, str], name: str) -> tuple[int, ...] | None:
     if value in (None, ""):
         return None
     return tuple(int(part) for part in value.split(","))
+
+
+def _perf_scale(env: Mapping[str, str]) -> float | None:
+    value = env.get("STANDIN_PERF_SCALE")
+    if value in (None, ""):
+        return None
+    scale = float(value)
+    if not 0 < scale <= 10_000:
+        raise ValueError(f"STANDIN_PERF_SCALE must be above 0 and at most 10000, not {value}")
+    return scale
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,9 @@ class Behaviour:
     weights_override_mib: int | None = None
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
     activation_mib: int = ACTIVATION_MIB
+    perf_scale: float | None = None
+    drafter_graph_chunk: int = 8192
+    log_stats_interval_s: float = 10.0
 
     def weights_bytes(self, model: str) -> int:
         """STANDIN_WEIGHTS_MIB, else the size of the model folder's safetensors (0 for a name)."""
@@ -141,4 +157,7 @@ class Behaviour:
             gpu_given=machine is not None,
             weights_override_mib=_int(env, "STANDIN_WEIGHTS_MIB", None),
             kv_bytes_per_token=_int(env, "STANDIN_KV_BYTES_PER_TOKEN", KV_BYTES_PER_TOKEN) or KV_BYTES_PER_TOKEN,
+            perf_scale=_perf_scale(env),
+            drafter_graph_chunk=_int(env, "STANDIN_DRAFTER_GRAPH_CHUNK", 8192) or 8192,
+            log_stats_interval_s=_float(env, "VLLM_LOG_STATS_INTERVAL", 10.0),
         )

@@ -21,6 +21,9 @@ from typing import Any
 
 from tests.standin.args import ServeArgs
 from tests.standin.behaviour import Behaviour
+from tests.standin.performance import Performance, prompt_class
+from tests.standin.startup import print_core
+from tests.standin.stepper import Stepper
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "runs", "away")
 DEFAULT_MAX_TOKENS = 16
@@ -131,6 +134,8 @@ class StandinServer:
         self.created = int(time.time())
         self.frozen = asyncio.Event()
         self.never = asyncio.Event()
+        perf = Performance.of(args, behaviour)
+        self.stepper = Stepper(perf, print_core) if perf is not None else None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -193,7 +198,7 @@ class StandinServer:
                  for name in (self.args.served_names or (self.args.model,))]
         return {"object": "list", "data": cards}
 
-    def _parse_completion(self, request: Request) -> tuple[dict[str, Any], int, int]:
+    def _parse_completion(self, request: Request) -> tuple[dict[str, Any], str, int, int]:
         try:
             body = json.loads(request.body or b"null")
         except ValueError as exc:
@@ -203,7 +208,8 @@ class StandinServer:
         model = body.get("model")
         if model is not None and model not in (self.args.served_names or (self.args.model,)):
             raise _openai_error(404, f"The model `{model}` does not exist.", "NotFoundError")
-        prompt_tokens = _token_count(_prompt_text(request.path, body))
+        prompt = _prompt_text(request.path, body)
+        prompt_tokens = _token_count(prompt)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise _openai_error(400, "max_tokens must be a positive integer")
@@ -211,10 +217,10 @@ class StandinServer:
             raise _openai_error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                      f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
                                      f"messages, {max_tokens} in the completion).")
-        return body, prompt_tokens, max_tokens
+        return body, prompt, prompt_tokens, max_tokens
 
     async def _complete(self, request: Request, writer: asyncio.StreamWriter) -> None:
-        body, prompt_tokens, max_tokens = self._parse_completion(request)
+        body, prompt, prompt_tokens, max_tokens = self._parse_completion(request)
         counters = self.counters
         counters.completions_started += 1
         counters.running += 1
@@ -225,9 +231,9 @@ class StandinServer:
                 await self._stall(writer, bool(body.get("stream")))
             chat = request.path == "/v1/chat/completions"
             if body.get("stream"):
-                await self._stream(writer, body, chat, prompt_tokens, max_tokens)
+                await self._stream(writer, body, chat, prompt, prompt_tokens, max_tokens)
             else:
-                await self._whole(writer, chat, prompt_tokens, max_tokens)
+                await self._whole(writer, chat, prompt, prompt_tokens, max_tokens)
         finally:
             counters.running -= 1
         counters.completions_finished += 1
@@ -250,19 +256,33 @@ class StandinServer:
         if self.behaviour.freeze_after_requests is not None and finished >= self.behaviour.freeze_after_requests:
             self.frozen.set()
 
-    async def _tokens(self, count: int) -> AsyncIterator[str]:
-        for index in range(count):
+    async def _tokens(self, count: int, prompt: str, prompt_tokens: int) -> AsyncIterator[tuple[int, str]]:
+        """The text each step adds and its token count: one token at a time, or several where a
+        step of speculative decoding keeps drafts (vLLM streams them in one chunk)."""
+        index = 0
+        async for burst in self._paced(count, prompt, prompt_tokens):
+            self.counters.generation_tokens += burst
+            yield burst, "".join(" " + WORDS[i % len(WORDS)] for i in range(index, index + burst))
+            index += burst
+
+    async def _paced(self, count: int, prompt: str, prompt_tokens: int) -> AsyncIterator[int]:
+        """How many tokens come out at a time: performance.py's steps, else one per token delay."""
+        if self.stepper is not None:
+            async for burst in self.stepper.generate(prompt_tokens, count, prompt_class(prompt, prompt_tokens)):
+                yield burst
+            return
+        for _ in range(count):
             if self.behaviour.token_delay_s:
                 await asyncio.sleep(self.behaviour.token_delay_s)
-            self.counters.generation_tokens += 1
-            yield " " + WORDS[index % len(WORDS)]
+            yield 1
 
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
                 "completion_tokens": completion_tokens, "prompt_tokens_details": None}
 
-    async def _whole(self, writer: asyncio.StreamWriter, chat: bool, prompt_tokens: int, max_tokens: int) -> None:
-        text = "".join([token async for token in self._tokens(max_tokens)])
+    async def _whole(self, writer: asyncio.StreamWriter, chat: bool, prompt: str, prompt_tokens: int,
+                     max_tokens: int) -> None:
+        text = "".join([piece async for _, piece in self._tokens(max_tokens, prompt, prompt_tokens)])
         if chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
                                       "logprobs": None, "finish_reason": "length", "stop_reason": None}
@@ -273,8 +293,8 @@ class StandinServer:
             "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": self.args.served_name, "choices": [choice], "usage": self._usage(prompt_tokens, max_tokens)}))
 
-    async def _stream(self, writer: asyncio.StreamWriter, body: dict[str, Any], chat: bool, prompt_tokens: int,
-                      max_tokens: int) -> None:
+    async def _stream(self, writer: asyncio.StreamWriter, body: dict[str, Any], chat: bool, prompt: str,
+                      prompt_tokens: int, max_tokens: int) -> None:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         base = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.args.served_name}
@@ -287,8 +307,8 @@ class StandinServer:
             writer.write(event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}]))
         produced = 0
-        async for token in self._tokens(max_tokens):
-            produced += 1
+        async for burst, token in self._tokens(max_tokens, prompt, prompt_tokens):
+            produced += burst
             finish = "length" if produced == max_tokens else None
             if chat:
                 choice = {"index": 0, "delta": {"content": token}, "logprobs": None, "finish_reason": finish}

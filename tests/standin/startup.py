@@ -46,6 +46,11 @@ def _core(where: str, message: str, level: str = "INFO", *, old: bool = False) -
     return "stdout", _prefix("EngineCore_DP0" if old else "EngineCore", level, where, _core_pid) + message
 
 
+def print_core(level: str, where: str, message: str) -> None:
+    """A line the engine core logs while serving (stdout)."""
+    print(_core(where, message, level)[1], flush=True)
+
+
 def effective_max_model_len(args: ServeArgs, behaviour: Behaviour) -> int:
     return args.max_model_len or behaviour.model_max_len
 
