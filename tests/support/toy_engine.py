@@ -25,7 +25,9 @@ from worker.engines import layout
 from worker.engines.allowlist import AllowedFlag, Allowlist, IntValue
 from worker.engines.base import (
     Endpoint,
+    EngineTuning,
     FailureHint,
+    Knob,
     Launch,
     Listening,
     LocalDefaults,
@@ -72,6 +74,7 @@ LOCAL_DEFAULTS = LocalDefaults(("--slots", "2"))
 FAILURE_HINTS: tuple[FailureHint, ...] = (FailureHint(re.compile(r"^toy: no room for \d+ slots"), "out_of_memory"),)
 PRIVATE_ENV_PREFIXES: tuple[str, ...] = ("TOY_SETTING_",)
 RELEASES = ListedReleases(("1.0",))  # no installer: it runs from `--engine-bin`
+TUNING = EngineTuning(knobs=(Knob("--slots", "int", 1, 64, grows_memory=True),), never=frozenset())
 
 _LOADING = re.compile(r"^toy: loading (\S+)")
 _LISTENING = re.compile(r"^toy: serving on (\S+)")

@@ -203,6 +203,7 @@ class Knob:
     off: str | None = None
     default: str | None = None
     grows_memory: bool = False
+    needs: tuple[str, ...] = ()  # it applies only where the baseline sets one of these (a drafter's tokens)
 
 
 # An engine's constraints on tuned arguments (baseline, tuned, machine) → the tuned ones made
@@ -212,6 +213,10 @@ TuningFix = Callable[[Sequence[str], Sequence[str], "Machine"], Union[tuple[str,
 
 def _unchanged(baseline: Sequence[str], tuned: Sequence[str], machine: Machine) -> tuple[str, ...] | None:
     return tuple(tuned)
+
+
+def _no_defaults(machine: Machine) -> Mapping[str, str]:
+    return {}
 
 
 @dataclass(frozen=True)
@@ -226,6 +231,7 @@ class EngineTuning:
     seeds: tuple[tuple[str, ...], ...] = ()
     traps: tuple[tuple[re.Pattern[str], str], ...] = ()
     constrain: TuningFix = _unchanged
+    defaults: Callable[[Machine], Mapping[str, str]] = _no_defaults  # the engine's own values on this machine
 
     def fix(self, baseline: Sequence[str], tuned: Sequence[str], machine: Machine) -> tuple[str, ...] | None:
         """`tuned` (appended after `baseline`, last occurrence winning) within the engine's
@@ -238,6 +244,65 @@ class EngineTuning:
     def trap(self, line: str) -> str | None:
         """The reason key of the first trap `line` shows, or None."""
         return next((key for pattern, key in self.traps if pattern.search(line)), None)
+
+
+def argument_values(args: Sequence[str], allowlist: Allowlist) -> dict[str, str]:
+    """Each allowlisted flag's value in `args` (checked ones), last occurrence winning as the engines
+    parse, by the flag's first spelling (`--parallel 4` → `{"-np": "4"}`); a switch reads "on" or
+    "off" (a negation). One pass, so a tuning's arguments are read as the engine would."""
+    spellings = {spelling: flag for flag in allowlist.flags for spelling in flag.all_spellings()}
+    values: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        spelling, equals, inline = args[i].partition("=") if args[i].startswith("--") else (args[i], "", "")
+        flag = spellings.get(spelling)
+        if flag is None:
+            i += 1
+        elif not flag.takes_value:
+            values[flag.name] = "off" if spelling in flag.negations else "on"
+            i += 1
+        elif equals:
+            values[flag.name] = inline
+            i += 1
+        else:
+            if i + 1 < len(args):
+                values[flag.name] = args[i + 1]
+            i += 2
+    return values
+
+
+_SUFFIXED = re.compile(r"([0-9]{1,12})([kKmM]?)")
+_FACTORS = {"": 1, "k": 10**3, "m": 10**6, "K": 2**10, "M": 2**20}
+
+
+def whole_number(text: str) -> int | None:
+    """An argument's whole number (`32k`: ×1000, `32K`: ×1024, as vLLM reads them), or None for a
+    word (`auto`, `-1`)."""
+    match = _SUFFIXED.fullmatch(text)
+    return None if match is None else int(match.group(1)) * _FACTORS[match.group(2)]
+
+
+def set_arguments(args: Sequence[str], values: Mapping[str, str], allowlist: Allowlist) -> tuple[str, ...]:
+    """`args` with each flag of `values` (by first spelling) given that value instead, at the end:
+    every earlier spelling of it dropped, so a tuned list names each flag once. A switch's "on" is
+    its first spelling, "off" its first negation (or, for a switch with none, the flag left out)."""
+    index = {spelling: flag for flag in allowlist.flags for spelling in flag.all_spellings()}
+    kept: list[str] = []
+    i = 0
+    while i < len(args):
+        spelling, equals, _ = args[i].partition("=") if args[i].startswith("--") else (args[i], "", "")
+        flag = index.get(spelling)
+        width = 2 if flag is not None and flag.takes_value and not equals else 1
+        if flag is None or flag.name not in values:
+            kept.extend(args[i : i + width])
+        i += width
+    for name, value in values.items():
+        flag = index[name]
+        if flag.takes_value:
+            kept += [name, value]
+        elif value == "on" or flag.negations:
+            kept.append(name if value == "on" else flag.negations[0])
+    return tuple(kept)
 
 
 class EngineAdapter(Protocol):
@@ -266,6 +331,7 @@ class EngineAdapter(Protocol):
     LOCAL_DEFAULTS: LocalDefaults  # local mode's block for a model of its `MODEL_FORMAT`
     KEY_VARIABLE: str  # the environment variable it reads this run's API key from; no child inherits one
     PRIVATE_ENV_PREFIXES: tuple[str, ...]  # variables that configure it behind its command line; never inherited
+    TUNING: EngineTuning  # what auto-tune may search (`plan.tuning`)
 
     @property
     def RELEASES(self) -> Releases:  # noqa: N802 (a constant, as the others: read-only, so each engine's own kind)

@@ -31,6 +31,7 @@ from worker.engines.llamacpp.metrics import derive_metrics
 from worker.engines.llamacpp.ready import READS as READY_READS
 from worker.engines.llamacpp.ready import ready_snapshot
 from worker.engines.llamacpp.releases import SHIPPED as RELEASES
+from worker.engines.llamacpp.tuning import TUNING
 
 if TYPE_CHECKING:
     from worker.hardware.model import EngineInstall, Machine
@@ -136,7 +137,7 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
     "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX",
-    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES",
+    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES", "TUNING",
     "WINDOWS_SPARE_MIB", "capacity", "command", "derive_metrics", "device_buffer", "environment",
     "find_installed", "install", "parse_line", "ready_snapshot", "runtime_environment", "start_problem",
     "tier_warning", "units",

@@ -35,6 +35,7 @@ from worker.engines.sglang.planning import (
 )
 from worker.engines.sglang.releases import RUNTIMES
 from worker.engines.sglang.releases import SHIPPED as RELEASES
+from worker.engines.sglang.tuning import TUNING
 
 if TYPE_CHECKING:
     from worker.hardware.model import EngineInstall
@@ -107,6 +108,6 @@ __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
     "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "LAUNCHER", "MEMORY_SHARE", "UNIX_SOCKET",
     "METRICS_PREFIX", "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES",
-    "RUNTIMES", "capacity", "command", "derive_metrics", "environment", "find_installed", "install",
+    "RUNTIMES", "TUNING", "capacity", "command", "derive_metrics", "environment", "find_installed", "install",
     "parse_line", "ready_snapshot", "runtime_environment", "serves_group", "tier_warning", "units",
 ]

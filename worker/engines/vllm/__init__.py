@@ -23,6 +23,7 @@ from worker.engines.vllm.metrics import PREFIX as METRICS_PREFIX
 from worker.engines.vllm.metrics import derive_metrics
 from worker.engines.vllm.planning import capacity, runtime_environment, serves_group, tier_warning, units
 from worker.engines.vllm.releases import SHIPPED as RELEASES
+from worker.engines.vllm.tuning import TUNING
 from worker.contract.events import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def find_installed(system: str, where: str | None, run: VersionRunner) -> Engine
 __all__ = [
     "ALLOWED_ARGS", "ARGS_TITLE", "DEFAULT_EXECUTABLE", "DISPLAY_NAME", "ENDPOINTS", "FAILURE_HINTS",
     "FALLBACK_RUNTIMES", "KEY_VARIABLE", "LOCAL_DEFAULTS", "MEMORY_SHARE", "UNIX_SOCKET", "METRICS_PREFIX",
-    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES",
+    "METRIC_NAMES", "MODEL_FORMAT", "NAME", "PRIVATE_ENV_PREFIXES", "READY_READS", "RELEASES", "RUNTIMES", "TUNING",
     "capacity", "command", "derive_metrics", "environment", "find_installed", "install", "parse_line",
     "ready_snapshot", "runtime_environment", "serves_group", "tier_warning", "units",
 ]
