@@ -1,0 +1,111 @@
+"""Auto-tune in the node: which engine of an assignment is tuned, when it may be, what the node
+shows and reports of it, and the measured arguments laid after an engine's tier.
+
+The search itself is `worker.node.tuner`'s; this module decides around it, pure but for
+`on_battery` (psutil). The rules (the contract's "Tuning (optional)"):
+- only where the coordinator offers `autotune` and the plan's engine block has an enabled `tune`
+  block; a bad block (or a space naming what is never tuned) refuses the tuning only: the
+  assignment serves untuned and `status.tuning.refused` says why;
+- `when` lists what may start it: `on_assign` (after the first ready), `idle` (ready and no request
+  for `IDLE_S`), `on_request` (a `tune` message);
+- never while paused, outside serve hours or on battery (a game pauses the node, and a pause ends
+  the running trial);
+- tuned arguments go after the tier and are checked against the allowlist again; the tier's own
+  arguments come first among the fallbacks, so an engine that cannot start with them starts
+  without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import psutil
+
+from worker.contract import protocol
+from worker.contract.events import Tuned, TuningSnapshot
+from worker.hardware import Machine
+from worker.node.view import tuned_words
+from worker.plan.planner import EnginePlan, Plan
+from worker.plan.tuning import build_space
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 600.0  # `idle`: ready with no request for this long
+Trigger = Literal["on_assign", "idle", "on_request"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one tuning measures: the plan's first engine, with the block's spec."""
+
+    assignment_id: str
+    engine_plan: EnginePlan
+    spec: protocol.TuneSpec
+
+
+def target(plan: Plan, features: Collection[str], machine: Machine) -> Target | protocol.TuneRefused | None:
+    """The tuning `plan` asks for; its refusal where the block is bad; None where there is none
+    (no block, a disabled one, or a coordinator that does not offer `autotune`)."""
+    if protocol.AUTOTUNE_FEATURE not in features or not plan.engines:
+        return None
+    spec = protocol.parse_tune(plan.engine_model.tune)
+    if spec is None or isinstance(spec, protocol.TuneRefused):
+        return spec
+    if not spec.enabled:
+        return None
+    first = plan.engines[0]
+    try:
+        build_space(plan.engine, spec, first.args, machine)
+    except protocol.TuneRefused as exc:
+        return exc
+    return Target(plan.assignment_id, first, spec)
+
+
+def blocked(*, paused: bool, in_serve_hours: bool, battery: bool) -> str | None:
+    """Why the node may not tune now, in words for the log; None: it may."""
+    if paused:
+        return "the node is paused"
+    if not in_serve_hours:
+        return "it is outside serve hours"
+    if battery:
+        return "the computer runs on battery"
+    return None
+
+
+def on_battery() -> bool:
+    """The computer runs on its battery (a desktop has none: False)."""
+    try:
+        battery = psutil.sensors_battery()
+    except (OSError, RuntimeError, AttributeError):  # a platform psutil cannot read
+        return False
+    return battery is not None and battery.power_plugged is False
+
+
+def with_tuned(engine_plan: EnginePlan, tuned: Sequence[str], *, allow_remote_code: bool) -> EnginePlan | None:
+    """`engine_plan` with `tuned` after its tier (the last occurrence wins), its own arguments the
+    first fallback; None where the allowlist refuses the whole (the tier then serves alone)."""
+    args = tuple(engine_plan.args) + tuple(tuned)
+    problem = engine_plan.adapter.ALLOWED_ARGS.check(args, allow_remote_code=allow_remote_code,
+                                                     where="the tuned arguments")
+    if problem is not None:
+        log.warning("engine %s: not using its tuned arguments: %s", engine_plan.engine_id, problem)
+        return None
+    fallbacks = ((engine_plan.tier, tuple(engine_plan.args)),) + tuple(engine_plan.fallbacks)
+    return dataclasses.replace(engine_plan, args=args, fallbacks=fallbacks)
+
+
+def tuned(args: Sequence[str], baseline: Sequence[str], gain_pct: float, noise_pct: float) -> Tuned:
+    """What the snapshot shows of adopted arguments: them, their gain, and what they do in words."""
+    return Tuned(args=tuple(args), gain_pct=round(gain_pct, 1), noise_pct=round(noise_pct, 1),
+                 words=tuned_words(args, baseline))
+
+
+def progress(snapshot: TuningSnapshot, trial: int, trials_max: int, elapsed_s: float) -> TuningSnapshot:
+    """A running search's snapshot at `trial` of `trials_max`."""
+    return dataclasses.replace(snapshot, state="running", trial=trial, trials_max=trials_max, elapsed_s=elapsed_s,
+                               refused=None)
+
