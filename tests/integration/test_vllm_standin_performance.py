@@ -22,7 +22,8 @@ import pytest
 
 from tests.standin.args import parse_serve
 from tests.standin.behaviour import Behaviour
-from tests.standin.performance import Performance, prompt_class, tokens_per_pass
+from tests.standin.performance import Capture, Performance, capture, prompt_class, tokens_per_pass
+from tests.standin.startup import startup
 from tests.support.engines import VLLM_STANDIN, free_port
 
 pytestmark = pytest.mark.integration
@@ -88,9 +89,28 @@ def test_vllms_defaults_for_the_chunk_and_the_largest_captured_batch() -> None:
     assert perf("--max-num-seqs", "4").max_capture == 8  # min(max_num_seqs × 2, 512)
     assert perf("--max-num-seqs", "4", *MTP3).max_capture == 32  # × (1 + drafts)
     assert perf("--max-num-batched-tokens", "256").max_capture == 256
-    truncated = perf("--max-cudagraph-capture-size", "2")
-    assert truncated.on_graph(2) and not truncated.on_graph(4)
-    assert decode_tok_s(truncated, decoding=4) == pytest.approx(6.4 / (1 + 3 * 0.04))
+    assert perf(total_mib="81559").max_num_seqs == 1024 and perf().max_num_seqs == 256
+    small = perf("--max-cudagraph-capture-size", "2")
+    assert small.on_graph(2) and not small.on_graph(4)
+    assert decode_tok_s(small, decoding=4) == pytest.approx(6.4 / (1 + 3 * 0.04))
+
+
+def test_a_capture_size_off_vllms_list_is_cut_with_vllms_warning() -> None:
+    assert capture(12, 256, 0, 2048) == Capture(8, 12)  # sizes 1, 2, 4, 8
+    assert capture(300, 256, 0, 2048) == Capture(288, 300)  # … 256, 272, 288
+    assert capture(264, 256, 0, 2048) == Capture(256, 264)  # between two sizes: the one below
+    assert capture(16, 256, 0, 2048) == Capture(16, None)
+    assert capture(4096, 256, 0, 2048) == Capture(2048, 4096)  # never above the step's token budget
+    behaviour = Behaviour.from_env({"STANDIN_GPU_TOTAL_MIB": RTX_5090_MIB})
+
+    def lines(*flags: str) -> str:
+        args = parse_serve(["serve", "m", "--host", "127.0.0.1", *flags], env={})
+        return "\n".join(text for _, text in startup(args, behaviour).lines)
+
+    assert re.search(r"\) WARNING .* \[vllm\.py:2521\] Truncating max_cudagraph_capture_size to 8$",
+                     lines("--max-cudagraph-capture-size", "12"), re.MULTILINE)
+    assert "Truncating" not in lines("--max-cudagraph-capture-size", "16")
+    assert "Truncating" not in lines("--max-cudagraph-capture-size", "12", "--enforce-eager")  # no graphs at all
 
 
 def test_off_unless_asked() -> None:

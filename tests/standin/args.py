@@ -32,7 +32,7 @@ class ServeArgs:
     served_names: tuple[str, ...]
     tensor_parallel: int
     max_model_len: int | None
-    max_num_seqs: int
+    max_num_seqs: int | None  # None: vLLM's default for the card (performance.py)
     gpu_memory_utilization: float
     enforce_eager: bool
     non_default: dict[str, object]
@@ -93,7 +93,7 @@ def _parser() -> _Parser:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     parser.add_argument("--max-model-len", type=_max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     parser.add_argument("--kv-cache-dtype", default="auto")

@@ -18,10 +18,13 @@ running request, as in vLLM's scheduler:
 What the notes do not give is the stand-in's assumption, named here: a second request in a batch
 costs 4 % of a pass (decode is memory-bound); code drafts better than chat and a long prompt worse
 (per-position acceptance 0.80 and 0.62 against chat's 0.74). Where vLLM decides, it decides as
-vLLM does: a step runs on a CUDA graph only when its tokens fit the largest captured size
-(`--max-cudagraph-capture-size`, by default min(max_num_seqs × (1 + drafts) × 2, 512) and no more
-than `--max-num-batched-tokens`), else eager (`vllm/v1/cudagraph_dispatcher.py` returns NONE);
-`--max-num-batched-tokens` defaults to 8192 on a card of 70 GiB or more, else 2048.
+vLLM 0.32 does: `--max-num-seqs` and `--max-num-batched-tokens` default by the card's memory
+(`engine/arg_utils.py`: 1024 and 16384 from 160 GiB, 1024 and 8192 from 70 GiB, else 256 and
+2048); the CUDA graph capture sizes are `config/vllm.py`'s (at most min(max_num_seqs × (1 + drafts)
+× 2, 512) unless `--max-cudagraph-capture-size` says otherwise, never above
+`--max-num-batched-tokens`; a size that is not in the list is cut to the largest one that is, with
+vLLM's "Truncating max_cudagraph_capture_size to N"); and a step whose tokens are more than the
+largest captured size runs eager (the dispatcher returns NONE).
 
 The drafter trap (note 004): with a drafter (MTP, DSpark) and a prefill chunk
 (`--max-num-batched-tokens`) at or above `STANDIN_DRAFTER_GRAPH_CHUNK` (8192), the drafter's CUDA
@@ -57,9 +60,54 @@ PREFILL_TOK_S = 9081.0
 ACCEPTANCE: dict[PromptClass, float] = {"count": 0.99, "code": 0.80, "long": 0.62, "chat": 0.74}
 LONG_PROMPT_TOKENS = 512
 DRAFTER_METHODS = ("mtp", "dspark")
-BIG_CARD_MIB = 70 * 1024
 _COUNT = re.compile(r"\bcount (?:from|to)\b", re.IGNORECASE)
 _CODE = re.compile(r"```|\bdef |\bfunction\b|\bclass \w+|\bcode\b", re.IGNORECASE)
+
+
+def batch_defaults(total_mib: int) -> tuple[int, int]:
+    """vLLM's `--max-num-seqs` and `--max-num-batched-tokens` for an API server on this card."""
+    if total_mib >= 160 * 1024:
+        return 1024, 16384
+    if total_mib >= 70 * 1024:
+        return 1024, 8192
+    return 256, 2048
+
+
+@dataclass(frozen=True)
+class Capture:
+    """The largest batch (in tokens) a CUDA graph covers, and the size asked for when vLLM cut it."""
+
+    largest: int
+    truncated_from: int | None
+
+
+def capture(asked: int | None, max_num_seqs: int, drafts: int, max_num_tokens: int) -> Capture:
+    """`VllmConfig._set_cudagraph_sizes` (0.32): the default ceiling, or the sizes up to the one
+    asked for (1, 2, 4, then steps of 8 to 256 and of 16 beyond, and max_num_tokens if it fits)."""
+    if asked is None:
+        return Capture(min(max_num_seqs * (1 + drafts) * 2, 512, max_num_tokens), None)
+    ceiling = min(max_num_tokens, asked)
+    sizes = [i for i in (1, 2, 4) if i <= ceiling]
+    sizes += list(range(8, min(ceiling + 1, 256), 8)) + list(range(256, ceiling + 1, 16))
+    if max_num_tokens <= ceiling:
+        sizes.append(max_num_tokens)
+    largest = max(sizes)
+    return Capture(largest, asked if asked != largest else None)
+
+
+def drafts_of(args: ServeArgs) -> int:
+    """Speculative tokens per step of a drafter that runs on the GPU (MTP, DSpark); 0 otherwise."""
+    spec = args.speculative or {}
+    return int(str(spec.get("num_speculative_tokens", 1))) if spec.get("method") in DRAFTER_METHODS else 0
+
+
+def capture_of(args: ServeArgs, behaviour: Behaviour) -> Capture | None:
+    """This start's capture sizes; None where there are no CUDA graphs."""
+    if args.enforce_eager or (args.cudagraph_mode or "").upper() == "NONE":
+        return None
+    seqs, tokens = batch_defaults(behaviour.cards[0].total_mib if behaviour.cards else 0)
+    return capture(args.max_cudagraph_capture_size, args.max_num_seqs or seqs,
+                   drafts_of(args), args.max_num_batched_tokens or tokens)
 
 
 def prompt_class(text: str, prompt_tokens: int) -> PromptClass:
@@ -97,20 +145,17 @@ class Performance:
     def of(cls, args: ServeArgs, behaviour: Behaviour) -> Performance | None:
         if behaviour.perf_scale is None:
             return None
+        seqs, tokens = batch_defaults(behaviour.cards[0].total_mib if behaviour.cards else 0)
+        graphs = capture_of(args, behaviour)
         spec = args.speculative or {}
-        method = str(spec.get("method")) if spec.get("method") is not None else None
-        drafts = int(str(spec.get("num_speculative_tokens", 1))) if method in DRAFTER_METHODS else 0
-        big = bool(behaviour.cards) and behaviour.cards[0].total_mib >= BIG_CARD_MIB
-        chunk = args.max_num_batched_tokens or (8192 if big else 2048)
-        default_capture = min(args.max_num_seqs * (1 + drafts) * 2, 512, chunk)
         return cls(
             scale=behaviour.perf_scale,
-            graphs=not args.enforce_eager and (args.cudagraph_mode or "").upper() != "NONE",
-            max_num_seqs=args.max_num_seqs,
-            chunk=chunk,
-            max_capture=args.max_cudagraph_capture_size or default_capture,
-            drafts=drafts,
-            method=method,
+            graphs=graphs is not None,
+            max_num_seqs=args.max_num_seqs or seqs,
+            chunk=args.max_num_batched_tokens or tokens,
+            max_capture=graphs.largest if graphs is not None else 0,
+            drafts=drafts_of(args),
+            method=str(spec["method"]) if "method" in spec else None,
             drafter_chunk_limit=behaviour.drafter_graph_chunk,
             log_interval_s=behaviour.log_stats_interval_s / behaviour.perf_scale,
         )

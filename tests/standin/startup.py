@@ -15,6 +15,7 @@ from typing import Literal
 from tests.standin.args import ServeArgs
 from tests.standin.behaviour import Behaviour
 from tests.standin.memory import GIB, KvBudget, format_gib, free_memory_short, kv_budget, weights_bytes_per_worker
+from tests.standin.performance import capture_of
 
 Stream = Literal["stdout", "stderr"]
 Line = tuple[Stream, str]
@@ -196,6 +197,9 @@ def startup(args: ServeArgs, behaviour: Behaviour, core_pid: int | None = None) 
     old = behaviour.version == "0.11"
     max_len = effective_max_model_len(args, behaviour)
     lines = _opening(args, behaviour, max_len)
+    graphs = capture_of(args, behaviour)
+    if graphs is not None and graphs.truncated_from is not None:  # `config/vllm.py:2521`, while the config is made
+        lines.insert(2, _api("vllm.py:2521", f"Truncating max_cudagraph_capture_size to {graphs.largest}", "WARNING"))
     if behaviour.exit_at_start is not None:
         error = "RuntimeError: stand-in asked to fail at start (STANDIN_EXIT_AT_START)"
         return Outcome(tuple(lines + _traceback(error, old=old)), behaviour.exit_at_start)
