@@ -404,20 +404,25 @@ class TuneReport(_Message):
 
     def fitted(self) -> TuneReport:
         """This report within the size limit: the last trials' figures dropped first, then the last
-        trials themselves (each loser's arguments and reason are worth more than its levels)."""
-        report = self
-        trials = list(self.trials)
-        stripped = len(trials)
-        while len(encode(report).encode()) > MAX_TUNE_REPORT_BYTES:
-            if stripped > 0:
-                stripped -= 1
-                trials[stripped] = trials[stripped].model_copy(update={"levels": []})
-            elif trials:
-                trials.pop()
-            else:
-                return report.model_copy(update={"baseline": None, "chosen": None})
-            report = report.model_copy(update={"trials": list(trials)})
-        return report
+        trials themselves (each loser's arguments and reason are worth more than its levels).
+        Linear: each trial is encoded twice (with and without its figures), never the whole again."""
+        full = [len(encode(trial).encode()) for trial in self.trials]
+        bare_trials = [trial.model_copy(update={"levels": []}) for trial in self.trials]
+        bare = [len(encode(trial).encode()) for trial in bare_trials]
+        room = MAX_TUNE_REPORT_BYTES - len(encode(self.model_copy(update={"trials": []})).encode())
+        room += len(self.trials) > 0  # the list's commas: one fewer than its trials
+        total = sum(full) + len(full)
+        stripped = len(full)  # trials[stripped:] go without their figures
+        while total > room and stripped > 0:
+            stripped -= 1
+            total -= full[stripped] - bare[stripped]
+        kept = len(full)
+        while total > room and kept > 0:
+            kept -= 1
+            total -= bare[kept] + 1
+        if room < 0:
+            return self.model_copy(update={"baseline": None, "chosen": None, "trials": []})
+        return self.model_copy(update={"trials": [*self.trials[:stripped], *bare_trials[stripped:kept]]})
 
 
 # --- status ----------------------------------------------------------------------------------
