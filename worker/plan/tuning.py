@@ -156,7 +156,8 @@ def _at_or_above(mine: float | None, theirs: float | None) -> bool:
     return mine >= theirs
 
 
-def candidates(space: Space, baseline: Sequence[str], machine: Machine, frontier: OomFrontier) -> Iterator[tuple[str, ...]]:
+def candidates(space: Space, baseline: Sequence[str], machine: Machine,
+               frontier: OomFrontier) -> Iterator[tuple[str, ...]]:
     """Tuned arguments to try, best guesses first; lazy, so an OOM noted between two draws rules
     out what follows. Each one is a distinct run from the baseline and from every one before."""
     adapter = registry.get(space.engine)

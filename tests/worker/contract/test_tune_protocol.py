@@ -110,8 +110,9 @@ def test_a_tune_message_with_an_unknown_action_is_a_bad_message() -> None:
 def test_status_carries_tuning_and_each_engines_tuned_arguments() -> None:
     status = protocol.Status(
         state="ready", assignment_id="a-17",
-        engines=[protocol.EngineStatus(engine_id="e0", gpu_indices=[0], layout="single", argv=["vllm"], state="ready",
-                                       tuned=protocol.Tuned(args=["--max-num-seqs", "64"], gain_pct=7.4, noise_pct=1.1))],
+        engines=[protocol.EngineStatus(
+            engine_id="e0", gpu_indices=[0], layout="single", argv=["vllm"], state="ready",
+            tuned=protocol.Tuned(args=["--max-num-seqs", "64"], gain_pct=7.4, noise_pct=1.1))],
         tuning=protocol.TuningStatus(state="running", trial=4, trials_max=12, elapsed_s=402, best_gain_pct=6.1))
     data = json.loads(protocol.encode(status))
     assert data["tuning"] == {"state": "running", "trial": 4, "trials_max": 12, "elapsed_s": 402.0,

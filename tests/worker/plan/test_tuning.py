@@ -75,7 +75,8 @@ def test_a_seed_is_checked_like_a_tier_and_never_sets_the_context() -> None:
 def test_the_space_narrows_the_engines_knobs_and_a_spelling_finds_its_knob() -> None:
     space = build_space(LLAMA, spec(space={"--parallel": {"min": 1, "max": 8}, "-fa": {"values": ["on"]}}),
                         ("-np", "1"), CPU)
-    assert [(k.flag, k.low, k.high, k.choices) for k in space.knobs] == [("-np", 1, 8, ()), ("-fa", None, None, ("on",))]
+    assert [(k.flag, k.low, k.high, k.choices) for k in space.knobs] == \
+        [("-np", 1, 8, ()), ("-fa", None, None, ("on",))]
 
 
 def test_a_drafters_knob_applies_only_where_a_drafter_is_configured() -> None:
@@ -88,7 +89,8 @@ def test_a_drafters_knob_applies_only_where_a_drafter_is_configured() -> None:
 
 def test_seeds_come_first_the_coordinators_before_the_engines() -> None:
     drawn = draw(VLLM, ("--enforce-eager",), GPU, spec(seeds=[["--max-num-seqs", "32"]]))
-    assert drawn[:3] == [("--max-num-seqs", "32"), ("--no-enforce-eager",), ("--no-enforce-eager", "--max-num-seqs", "128")]
+    assert drawn[:3] == [("--max-num-seqs", "32"), ("--no-enforce-eager",),
+                         ("--no-enforce-eager", "--max-num-seqs", "128")]
 
 
 def test_one_step_up_and_down_per_knob_then_two() -> None:

@@ -26,6 +26,7 @@ KNOBS = (
     Knob("--enforce-eager", "switch", choices=("on", "off"), off="--no-enforce-eager", default="off",
          grows_memory=True),
     Knob("--max-cudagraph-capture-size", "int", 1, MAX_SEQS, grows_memory=True),
+    # a drafter set through --spec-method; one in --speculative-config keeps its count (vLLM refuses both at once)
     Knob("--spec-tokens", "int", 1, MAX_DRAFT_TOKENS, scale="linear", grows_memory=True, needs=("--spec-method",)),
 )
 
