@@ -9,7 +9,7 @@ import pytest
 import worker.engines  # noqa: F401 (registers the engines)
 from worker.contract import protocol
 from worker.contract.protocol import TuneRefused
-from worker.engines.base import argument_values
+from worker.engines.base import argument_values, set_arguments, whole_number
 from worker.engines.llamacpp.args import ALLOWLIST as LLAMA_ARGS
 from worker.hardware.model import Gpu, Machine
 from worker.plan.tuning import OomFrontier, Space, build_space, candidates
@@ -156,3 +156,24 @@ def test_candidates_skip_what_an_oom_noted_meanwhile_rules_out() -> None:
     assert next(drawn) == ("-np", "2", "-c", "4096")
     frontier.note_oom((*baseline, "-np", "4", "-c", "8192"))
     assert list(drawn) == []  # -np 4 and above would run out, and -np 1 is the baseline
+
+
+# --- reading and setting arguments as the engines parse them --------------------------------------
+
+def test_arguments_are_read_last_occurrence_winning_in_any_spelling() -> None:
+    from worker.engines.vllm.args import ALLOWLIST as VLLM_ARGS
+
+    args = ("--max-num-seqs=64", "--enforce-eager", "--max-num-seqs", "32", "--no-enforce-eager", "--bogus")
+    assert argument_values(args, VLLM_ARGS) == {"--max-num-seqs": "32", "--enforce-eager": "off"}
+    assert argument_values(("--parallel", "4", "-np", "2", "-nocb"), LLAMA_ARGS) == {"-np": "2", "-cb": "off"}
+
+
+def test_setting_an_argument_drops_its_every_earlier_spelling() -> None:
+    assert set_arguments(("--parallel", "4", "-b", "512", "-np", "2"), {"-np": "8", "-cb": "off"}, LLAMA_ARGS) == \
+        ("-b", "512", "-np", "8", "-nocb")
+
+
+@pytest.mark.parametrize(("text", "number"), [("2048", 2048), ("32k", 32_000), ("32K", 32_768), ("1M", 2**20),
+                                              ("auto", None), ("-1", None), ("1.5k", None)])
+def test_whole_numbers_read_as_the_engines_read_them(text: str, number: int | None) -> None:
+    assert whole_number(text) == number

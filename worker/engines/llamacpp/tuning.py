@@ -58,8 +58,8 @@ def _context(baseline: Mapping[str, str], tuned: Mapping[str, str]) -> dict[str,
     (the model's own context, `-c 0`, split over another number of slots)."""
     merged = {**baseline, **tuned}
     extra: dict[str, str] = {}
-    if _unified(baseline) and "-np" in tuned and "-kvu" not in tuned:
-        extra["-kvu"] = "on"  # the baseline's one shared buffer, kept
+    if _unified(baseline) and "-kvu" not in baseline and "-np" in tuned and "-kvu" not in tuned:
+        extra["-kvu"] = "on"  # automatic slots' one shared buffer, kept once the slots are counted
     unified_before, unified_after = _unified(baseline), _unified({**merged, **extra})
     slots_before, slots_after = _slots(baseline) or AUTO_SLOTS, _slots(merged) or AUTO_SLOTS
     total = int(baseline.get("-c", "0"))

@@ -33,6 +33,7 @@ def test_more_slots_scale_the_context_so_each_request_keeps_its_own() -> None:
 def test_automatic_slots_share_one_buffer_so_the_context_stays_and_stays_shared() -> None:
     fixed = tuning.fix(("-c", "4096"), ("-np", "8"), machine())
     assert fixed is not None and argument_values(fixed, ALLOWLIST) == {"-np": "8", "-kvu": "on"}
+    assert tuning.fix(("-c", "4096", "-np", "2", "-kvu"), ("-np", "8"), machine()) == ("-np", "8")
 
 
 def test_the_models_own_context_cannot_be_split_over_other_slots() -> None:
