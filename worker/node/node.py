@@ -19,6 +19,7 @@ import gc
 import dataclasses
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,7 @@ from worker.system.datalock import DataFolderInUse, DataFolderLock
 from worker.system.keepawake import KeepAwake, PowerAssertion, platform_assertion
 from worker.node.provision_failure import network_failure, offline_problem, provision_problem
 from worker.serve.engine_set import EngineSet
-from worker.contract.events import EngineSnapshot, NodeSnapshot, NodeState, Problem
+from worker.contract.events import EngineSnapshot, NodeSnapshot, NodeState, Problem, Tuned, TuningSnapshot
 from worker.measure.gpu_watch import GpuWatch
 from worker.hardware import Machine, NvmlSource, PynvmlSource
 from worker.hardware.nvml import find_wsl_nvml_library
@@ -46,7 +47,10 @@ from worker.node.tasks import LoopTasks
 from worker.measure.metering import Metering
 from worker.link.outgoing import Outgoing
 from worker.node.sampler import Sampler
-from worker.node.view import Pause, build_hello, build_snapshot, build_status
+from worker.node import tuning
+from worker.node.tuner import TuneReport, Tuner, TunerSettings
+from worker.measure.tuned import TuneKey, TunedStore
+from worker.node.view import Pause, build_hello, build_snapshot, build_status, engine_views
 from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
 from worker.serve.process import reap_leftovers
 from worker.provision.assignment import OFFLINE_BACKOFF, OfflineRetry, provision
@@ -84,9 +88,11 @@ class Node:
         monotonic: Callable[[], float] = time.monotonic,
         offline_backoff: RestartBackoff = OFFLINE_BACKOFF,
         power: PowerAssertion | None = None,
+        tuner_settings: TunerSettings = TunerSettings(),
     ) -> None:
         """`offline_backoff`: when a download or install the network cut short is tried again;
-        `power`: what keeps the computer awake while it serves (None: this platform's own)."""
+        `power`: what keeps the computer awake while it serves (None: this platform's own);
+        `tuner_settings`: how hard a tuning measures (tests shrink it)."""
         self.paths = paths.ensure()
         self.settings = settings
         self._hardware_override = hardware_override
@@ -132,6 +138,22 @@ class Node:
         self._draining = False  # while the relay drains for an engine stop
         self._engines_lock: asyncio.Lock | None = None
         self._awake = KeepAwake(power if power is not None else platform_assertion())
+        # auto-tune (`tuning` decides around the search, `tuner` searches)
+        self._tune_target: tuning.Target | None = None
+        self._tune_plan: Plan | None = None  # the plan the target was read from
+        self._tuning: TuningSnapshot | None = None
+        self._tuning_since = 0.0  # monotonic start of the running search
+        self._tune_pending: tuning.Trigger | None = None  # due, or cut short: runs when nothing blocks it
+        self._tune_trigger: tuning.Trigger = "on_assign"  # what started the running search
+        self._tuner: Tuner | None = None  # the running search, if any
+        self._tuning_now = False  # trial engines hold the card: the relay answers 503 `tuning`
+        self._launched: list[EnginePlan] = []  # the provisioned plans, without tuned arguments
+        self._tuned: dict[str, Tuned] = {}  # by engine id: what each running engine runs after its tier
+        self._kept: Tuned | None = None  # the result tuning kept for the target on this machine
+        self._tuned_store: TunedStore | None = None  # opened when first needed
+        self._tuner_settings = tuner_settings
+        self._requests_seen = 0
+        self._last_request_at = monotonic()
 
     # --- commands (any thread) ----------------------------------------------------------------
 
@@ -231,6 +253,7 @@ class Node:
 
     async def _close(self) -> None:
         log.info("stopping: draining requests and stopping engines")
+        self._cancel_tuning(resume=False)
         await self._step(policy.Quit())  # "Stopping…" at once; each second publishes `in_flight` as it drains
         self._owner.mark_stopping()  # a second start meanwhile is told to wait, not that we run on
         try:
@@ -301,9 +324,14 @@ class Node:
             self._welcome = message
             await self._news.send_status(force=True)
         elif isinstance(message, protocol.Assign):
+            if message != self._held.assignment:
+                self._cancel_tuning(resume=False)
             self._tasks.spawn(self._locked(policy.Assigned(message)))
         elif isinstance(message, protocol.Unassign):
+            self._cancel_tuning(resume=False)
             self._tasks.spawn(self._locked(policy.Unassigned(message.assignment_id)))
+        elif isinstance(message, protocol.Tune):
+            self._on_tune(message)
         elif isinstance(message, protocol.Pause):
             self._tasks.spawn(self._do_pause("coordinator", None))
         elif isinstance(message, protocol.Resume):
@@ -447,7 +475,10 @@ class Node:
         return engine_plans
 
     async def _launch(self, engine_plans: list[EnginePlan]) -> None:
-        await self._engines.launch(engine_plans)
+        """The engines started, each with the arguments tuning kept for it after its tier."""
+        self._launched = list(engine_plans)
+        await self._retarget(engine_plans)
+        await self._engines.launch([self._with_kept(p) for p in engine_plans])
         self._news.publish()
 
     async def _remeasure_memory(self, engine_plan: EnginePlan) -> float | None:
@@ -465,7 +496,7 @@ class Node:
         async with self._engines_lock:
             await self._drain_and_stop(action.reason)
 
-    async def _drain_and_stop(self, reason: Literal["paused", "draining"]) -> None:
+    async def _drain_and_stop(self, reason: Literal["paused", "draining", "tuning"]) -> None:
         if not self._engines:
             return
         self._draining = True
@@ -478,14 +509,19 @@ class Node:
     async def _stop_engines(self) -> None:
         for engine_id in await self._engines.stop_all():
             self._metering.forget(engine_id)
+            self._tuned.pop(engine_id, None)
         self._news.publish()
 
     def _on_engine_change(self, snap: EngineSnapshot, reason: str) -> None:
         sup = self._engines.get(snap.engine_id)
         if snap.state == "ready" and sup is not None and sup.run_id is not None:
             self._metering.start_run(snap.engine_id, sup.run_id)
+            self._check_tuned(snap)
+            self._tune_when_due()
         elif snap.state in ("starting", "failed", "stopped"):
             self._metering.forget(snap.engine_id)
+        if snap.state == "failed" and snap.engine_id in self._tuned and self._tasks.loop:
+            self._tasks.spawn(self._untune(f"engine {snap.engine_id} failed with them"))
         self._keep_awake()  # before the snapshot that shows it
         self._news.publish()  # serving, failing and pausing speak through the state (app/notify.py), not notices
         if self._tasks.loop:
@@ -503,6 +539,7 @@ class Node:
 
     async def _do_pause(self, reason: str, until: float | None, detail: str | None = None) -> None:
         log.info("pause (%s)%s", reason, f" until {time.ctime(until)}" if until else "")
+        self._cancel_tuning()  # a game or a pause ends the running trial at once; tuning resumes later
         await self._step(policy.Paused(reason, until, detail))  # announced at once; the engines stop under the lock
 
     def _set_settings(self, settings: Settings) -> None:
@@ -518,12 +555,221 @@ class Node:
 
     def _autopause(self) -> AutoPauser:
         """Pauses for games: GPU users that are not the app's (vLLM's workers are its engine's children)."""
-        return AutoPauser(self, lambda: self.settings, lambda: self._gpus.processes_besides(self._engines.own_pids))
+        return AutoPauser(self, lambda: self.settings, lambda: self._gpus.processes_besides(self._own_pids))
+
+    def _own_pids(self) -> set[int]:
+        """The engines' processes, a tuning's trial engine among them."""
+        return self._engines.own_pids() | (self._tuner.own_pids() if self._tuner is not None else set())
+
+    # --- auto-tune ---------------------------------------------------------------------------
+
+    async def _retarget(self, engine_plans: list[EnginePlan]) -> None:
+        """What the held plan asks to tune, read once per plan (a bad block: refused, shown),
+        and the result kept for it on this machine."""
+        plan = self._held.plan
+        if plan is self._tune_plan or self.machine is None:
+            return
+        self._tune_plan, self._tune_target, self._tune_pending, self._kept = plan, None, None, None
+        features = self._welcome.features if self._welcome else []
+        found = tuning.target(plan, features, self.machine) if plan is not None else None
+        if isinstance(found, protocol.TuneRefused):
+            log.warning("assignment %s: not tuning: %s", plan.assignment_id if plan else "?", found.reason)
+            self._tuning = TuningSnapshot(state="refused", refused=found.reason)
+            return
+        if found is None or plan is None:
+            self._tuning = None
+            return
+        provisioned = next((p for p in engine_plans if p.engine_id == found.engine_plan.engine_id), found.engine_plan)
+        self._tune_target = dataclasses.replace(found, engine_plan=provisioned)
+        self._kept = await self._read_kept(self._tune_target)
+        self._tuning = TuningSnapshot(state="done", chosen=self._kept) if self._kept else TuningSnapshot()
+        if self._kept is None and "on_assign" in found.spec.when:
+            self._tune_pending = "on_assign"
+
+    def _tune_key(self, target: tuning.Target) -> TuneKey:
+        assert self.machine is not None and self._tune_plan is not None
+        return tuning.key(self.machine, self._tune_plan, target.engine_plan)
+
+    async def _read_kept(self, target: tuning.Target) -> Tuned | None:
+        """The result a tuning on this machine kept for this model, engine version and tier."""
+        try:
+            kept = await asyncio.to_thread(self._store().kept, self._tune_key(target))
+        except (OSError, sqlite3.Error) as exc:
+            log.error("could not read the kept tuning results (%s); serving untuned", exc)
+            return None
+        if kept is None:
+            return None
+        return tuning.tuned(kept.args, target.engine_plan.args, kept.gain_pct, kept.noise_pct)
+
+    async def _forget_kept(self, why: str) -> None:
+        """The kept result dropped (the coordinator's `forget`, or arguments an engine failed with)."""
+        target, self._kept = self._tune_target, None
+        if target is None:
+            return
+        log.info("forgetting the tuned arguments of %s: %s", target.assignment_id, why)
+        try:
+            await asyncio.to_thread(self._store().forget, self._tune_key(target))
+        except (OSError, sqlite3.Error) as exc:
+            log.error("could not drop the kept tuning result (%s)", exc)
+
+    def _store(self) -> TunedStore:
+        if self._tuned_store is None:
+            self._tuned_store = TunedStore(self.paths.data_dir)
+        return self._tuned_store
+
+    def _with_kept(self, engine_plan: EnginePlan) -> EnginePlan:
+        """`engine_plan` with the arguments tuning kept for its engine, where there are some."""
+        self._tuned.pop(engine_plan.engine_id, None)
+        target, kept = self._tune_target, self._kept
+        if target is None or kept is None or engine_plan.engine != target.engine_plan.engine:
+            return engine_plan
+        tuned_plan = tuning.with_tuned(engine_plan, kept.args, allow_remote_code=self.settings.allow_remote_code)
+        if tuned_plan is None:
+            return engine_plan
+        self._tuned[engine_plan.engine_id] = kept
+        return tuned_plan
+
+    def _check_tuned(self, snap: EngineSnapshot) -> None:
+        """An engine that could start only without its tuned arguments (a fallback) serves without
+        them: the kept result goes, and the snapshot stops claiming them."""
+        kept = self._tuned.get(snap.engine_id)
+        if kept is None or tuning.runs_with(snap.argv, kept.args):
+            return
+        del self._tuned[snap.engine_id]
+        if self._tuning is not None and self._tuning.state == "done":
+            self._tuning = TuningSnapshot()
+        self._tasks.spawn(self._forget_kept(f"engine {snap.engine_id} started only without them"))
+
+    def _tuning_view(self) -> TuningSnapshot | None:
+        """The tuning snapshot of the held plan, a running search's time as of now."""
+        if self._held.plan is not self._tune_plan:
+            return None
+        if self._tuning is None or self._tuning.state != "running":
+            return self._tuning
+        return dataclasses.replace(self._tuning, elapsed_s=self._monotonic() - self._tuning_since)
+
+    def _tuning_blocked(self) -> str | None:
+        hours = autopause.in_serve_hours(self.settings.serve_hours, autopause.local_hour_now())
+        return tuning.blocked(paused=self._held.pause is not None, in_serve_hours=hours,
+                              battery=tuning.on_battery())
+
+    def _tune_when_due(self) -> None:
+        """A search that is due (after the first ready, after an interrupted one) starts now,
+        unless something blocks it: then it waits for the next ready or idle second."""
+        if self._tune_pending is not None and self._tuner is None and self._tasks.loop:
+            self._tasks.spawn(self._tune(self._tune_pending))
+
+    def _watch_idle(self) -> None:
+        """`idle`: ready, no request for `tuning.IDLE_S`; and a search that waits for what blocked it."""
+        requests = self._metering.figures().requests
+        now = self._monotonic()
+        if self._in_flight() or requests != self._requests_seen:
+            self._requests_seen, self._last_request_at = requests, now
+        target = self._tune_target
+        if target is None or self._tuner is not None or not self._engines.ready_targets():
+            return
+        if self._tune_pending is not None:
+            self._tune_when_due()
+        elif ("idle" in target.spec.when and now - self._last_request_at >= tuning.IDLE_S
+              and self._tuning is not None and self._tuning.state in ("idle", "cancelled")):
+            self._tasks.spawn(self._tune("idle"))
+
+    def _on_tune(self, message: protocol.Tune) -> None:
+        """The coordinator's `tune`: start (where `when` has `on_request`), cancel, or forget."""
+        target = self._tune_target
+        if target is None or target.assignment_id != message.assignment_id:
+            log.warning("tune %s for assignment %s ignored: it is not one this node tunes",
+                        message.action, message.assignment_id)
+            return
+        if message.action == "start":
+            if "on_request" not in target.spec.when:
+                log.warning("tune start ignored: the assignment's tune block does not list on_request")
+                return
+            self._tune_pending = "on_request"
+            self._tune_when_due()
+            return
+        self._cancel_tuning(resume=False)
+        if message.action == "forget":
+            self._tuning = TuningSnapshot()
+            self._tasks.spawn(self._untune("the coordinator asked to forget them"))
+
+    def _cancel_tuning(self, resume: bool = True) -> None:
+        """The running search ends at once (its trial engine stopped); `resume`: it runs again
+        once nothing blocks it (a pause, a game; from its journal), else not until asked."""
+        if self._tuner is not None:
+            self._tuner.cancel()
+            self._tune_pending = self._tune_trigger if resume else None
+        elif not resume:
+            self._tune_pending = None
+
+    async def _tune(self, trigger: tuning.Trigger) -> None:
+        """One search, under the engines lock: the relay drains and answers 503 `tuning`, the
+        engines stop, the tuner's trial engines measure, then the engines start again with what
+        it adopted (unless a pause or a new assignment came meanwhile)."""
+        target = self._tune_target
+        if target is None or self._tuner is not None or self._engines_lock is None or self.machine is None:
+            return
+        if why := self._tuning_blocked():
+            log.info("tuning waits: %s", why)
+            self._tune_pending = trigger
+            return
+        async with self._engines_lock:
+            if self._tune_target is not target or self._tuner is not None or self._held.pause or self._held.stopping:
+                return
+            self._tune_pending, self._tune_trigger = None, trigger
+            self._tuner = Tuner(target.engine_plan, target.spec, self.machine, paths=self.paths, store=self._store(),
+                                key=self._tune_key(target), progress=self._on_progress, settings=self._tuner_settings)
+            self._tuning_now, self._tuning_since = True, self._monotonic()
+            self._tuning = tuning.progress(self._tuning or TuningSnapshot(), 0, self._tuner.trials_max, 0.0)
+            log.info("tuning %s (%s): up to %d trials in %.0f minutes", target.assignment_id, trigger,
+                     self._tuner.trials_max, target.spec.budget.max_minutes)
+            report: TuneReport | None = None
+            try:
+                await self._news.send_status(force=True)
+                await self._drain_and_stop("tuning")
+                report = await self._tuner.run()
+            except Exception:
+                log.exception("tuning %s failed", target.assignment_id)
+            finally:
+                self._tuner, self._tuning_now = None, False
+            await self._tuning_ended(target, report)
+            if self._tune_target is target and self._held.pause is None and not self._held.stopping:
+                await self._launch(self._launched)
+
+    def _on_progress(self, trial: int, trials_max: int) -> None:
+        """The tuner's trial count: shown, and told to the coordinator."""
+        if self._tuning is not None:
+            self._tuning = tuning.progress(self._tuning, trial, trials_max, self._monotonic() - self._tuning_since)
+        self._tasks.spawn(self._news.send_status())
+
+    async def _tuning_ended(self, target: tuning.Target, report: TuneReport | None) -> None:
+        """What a search found: shown, kept where it adopted (the tuner kept it), and reported."""
+        baseline = target.engine_plan.args
+        self._tuning = tuning.ended(report, target.spec.budget.max_trials, baseline)
+        if self._tuning.chosen is not None:
+            self._kept = self._tuning.chosen
+        chosen = self._tuning.chosen
+        log.info("tuning %s ended: %s%s", target.assignment_id, report.outcome if report else "failed",
+                 f", {' '.join(chosen.args)} ({chosen.gain_pct:+.1f} %)" if chosen else "")
+        await self._send(tuning.report_message(target.assignment_id, target.engine_plan.engine_id, baseline, report))
+        await self._news.send_status(force=True)
+
+    async def _untune(self, why: str) -> None:
+        """The kept result dropped, and engines that run with it started again without it."""
+        assert self._engines_lock is not None
+        await self._forget_kept(why)
+        async with self._engines_lock:
+            if not self._tuned:
+                return
+            await self._drain_and_stop("draining")
+            if self._held.pause is None and not self._held.stopping and self._launched:
+                await self._launch(self._launched)
 
     # --- the relay's gate, and the terms of what it meters ----------------------------------
 
     def _gate(self) -> policy.Gate | None:
-        return policy.gate(self._held, draining=self._draining, ready=bool(self._engines.ready_targets()))
+        return policy.gate(self._held, draining=self._draining, ready=bool(self._engines.ready_targets()),
+                           tuning=self._tuning_now)
 
     def _terms(self) -> tuple[str, protocol.Price] | None:
         """What a finished generation earns under: the planned model at the coordinator's price."""
@@ -539,14 +785,15 @@ class Node:
     def _status(self) -> protocol.Status:
         held = self._held
         return build_status(state=self._node_state(), assignment=held.assignment, problem=held.problem,
-                            refused=held.refused, engines=self._engines.snapshots(),
+                            refused=held.refused, engines=engine_views(self._engines.snapshots(), {}, self._tuned),
                             figures=self._metering.figures(), gpus=self._gpus.samples.values(),
-                            in_flight=self._in_flight())
+                            in_flight=self._in_flight(), tuning=self._tuning_view())
 
     async def _each_second(self) -> None:
         """After the sample: a timed pause's end, then the news (a heartbeat when one is due)."""
         if policy.resume_due(self._held, self._clock()):
             self._tasks.spawn(self._locked(policy.Resumed("timer")))
+        self._watch_idle()
         heartbeat = self._welcome.heartbeat_s if self._welcome else 10.0
         beat = self._monotonic() - self._last_heartbeat >= heartbeat
         if beat:
@@ -577,6 +824,8 @@ class Node:
             stopping=self._held.stopping,
             update_ready=self._updater.ready_version if self._updater else None,
             game_detection=self._game_detection,
+            tuning=self._tuning_view(),
+            tuned=self._tuned,
         )
 
     # --- updates --------------------------------------------------------------------------

@@ -294,10 +294,10 @@ def gate(state: State, *, draining: bool, ready: bool, tuning: bool = False) -> 
     `tuning`: trial engines hold the card, measured on the app's own prompts, never callers'."""
     if state.pause is not None:
         return "paused"
+    if tuning:  # its own drain says why too
+        return "tuning"
     if draining:
         return "draining"
-    if tuning:
-        return "tuning"
     if not ready:
         return "not_ready"
     return None

@@ -21,16 +21,21 @@ import dataclasses
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import psutil
 
 from worker.contract import protocol
-from worker.contract.events import Tuned, TuningSnapshot
+from worker.contract.events import Tuned, TuningSnapshot, TuningState
 from worker.hardware import Machine
 from worker.node.view import tuned_words
-from worker.plan.planner import EnginePlan, Plan
+from worker.measure.tuned import TuneKey, machine_key
+from worker.plan.planner import EnginePlan, Plan, running_version
 from worker.plan.tuning import build_space
+
+if TYPE_CHECKING:
+    from worker.measure.load import LevelFigures
+    from worker.node.tuner import TuneReport
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,15 @@ def target(plan: Plan, features: Collection[str], machine: Machine) -> Target | 
     except protocol.TuneRefused as exc:
         return exc
     return Target(plan.assignment_id, first, spec)
+
+
+def key(machine: Machine, plan: Plan, engine_plan: EnginePlan) -> TuneKey:
+    """What a kept result holds for: this machine, the model (its source and revision), the engine
+    version and the tier's arguments."""
+    source = plan.engine_model.source + (f"@{plan.engine_model.revision}" if plan.engine_model.revision else "")
+    return TuneKey(machine=machine_key(machine), model=source, engine=plan.engine,
+                   version=running_version(machine, plan.engine, plan.engine_model) or "",
+                   baseline=tuple(engine_plan.args))
 
 
 def blocked(*, paused: bool, in_serve_hours: bool, battery: bool) -> str | None:
@@ -98,6 +112,16 @@ def with_tuned(engine_plan: EnginePlan, tuned: Sequence[str], *, allow_remote_co
     return dataclasses.replace(engine_plan, args=args, fallbacks=fallbacks)
 
 
+def runs_with(argv: Sequence[str], tuned: Sequence[str]) -> bool:
+    """Whether an engine's command line has `tuned` in it, in order: not where the supervisor fell
+    back to the tier's arguments alone."""
+    if not tuned:
+        return True
+    want, have = tuple(tuned), tuple(argv)
+    first = want[0]
+    return any(have[i:i + len(want)] == want for i, token in enumerate(have) if token == first)
+
+
 def tuned(args: Sequence[str], baseline: Sequence[str], gain_pct: float, noise_pct: float) -> Tuned:
     """What the snapshot shows of adopted arguments: them, their gain, and what they do in words."""
     return Tuned(args=tuple(args), gain_pct=round(gain_pct, 1), noise_pct=round(noise_pct, 1),
@@ -109,3 +133,53 @@ def progress(snapshot: TuningSnapshot, trial: int, trials_max: int, elapsed_s: f
     return dataclasses.replace(snapshot, state="running", trial=trial, trials_max=trials_max, elapsed_s=elapsed_s,
                                refused=None)
 
+
+def report_message(assignment_id: str, engine_id: str, baseline_args: Sequence[str],
+                   report: TuneReport | None) -> protocol.TuneReport:
+    """The `tune.report` the coordinator gets: each trial's arguments, figures per level and why
+    it lost; within the contract's 64 KiB (no prompts or answers are in a report). None: the
+    search failed before it could report."""
+    if report is None:
+        return protocol.TuneReport(assignment_id=assignment_id, engine_id=engine_id, outcome="failed")
+    adopted = report.outcome == "adopted" and report.chosen is not None
+    chosen_levels = next((t.levels for t in report.trials if t.result == "adopted"), ())
+    return protocol.TuneReport(
+        assignment_id=assignment_id,
+        engine_id=engine_id,
+        outcome=report.outcome,
+        baseline=protocol.TuneFigures(args=list(baseline_args), levels=_levels(report.baseline.levels)),
+        chosen=protocol.TuneFigures(args=list(report.chosen or ()), levels=_levels(chosen_levels),
+                                    gain_pct=report.gain_pct, noise_pct=report.noise_pct) if adopted else None,
+        trials=[protocol.TuneTrial(args=list(t.args), levels=_levels(t.levels), lost=_lost(t.result))
+                for t in report.trials if t.result != "baseline"],
+        elapsed_s=round(report.elapsed_s, 1),
+    ).fitted()
+
+
+def _lost(result: str) -> str | None:
+    """A trial's result → the contract's reason it lost (None: it won)."""
+    if result == "adopted":
+        return None
+    return result.removeprefix("lost:")
+
+
+def _levels(levels: Sequence[LevelFigures]) -> list[protocol.TuneLevel]:
+    return [protocol.TuneLevel(concurrency=f.concurrency, aggregate_tok_s=round(f.aggregate_tok_s, 2),
+                               per_request_tok_s=round(f.per_request_tok_s, 2), ttft_p90_ms=round(f.ttft_p90_ms, 1),
+                               failed=f.failed) for f in levels]
+
+
+_ENDED: dict[str, TuningState] = {"adopted": "done", "kept_baseline": "done", "cancelled": "cancelled",
+                                  "failed": "failed"}
+
+
+def ended(report: TuneReport | None, trials_max: int, baseline: Sequence[str]) -> TuningSnapshot:
+    """The snapshot once a search ended (None: it failed before it could report)."""
+    if report is None:
+        return TuningSnapshot(state="failed", trials_max=trials_max)
+    state = _ENDED[report.outcome]
+    chosen = None
+    if report.outcome == "adopted" and report.chosen is not None:
+        chosen = tuned(report.chosen, baseline, report.gain_pct or 0.0, report.noise_pct or 0.0)
+    return TuningSnapshot(state=state, trial=len(report.trials), trials_max=trials_max,
+                          elapsed_s=report.elapsed_s, best_gain_pct=report.gain_pct, chosen=chosen)

@@ -283,9 +283,9 @@ def test_the_gate_gives_the_contracts_503_codes():
     assert policy.gate(SERVING, draining=False, ready=False) == "not_ready"
 
 
-def test_a_tuning_node_refuses_requests_with_tuning_unless_paused_or_draining():
+def test_a_tuning_node_refuses_requests_with_tuning_unless_paused_and_while_it_drains_for_it():
     assert policy.gate(SERVING, draining=False, ready=False, tuning=True) == "tuning"
-    assert policy.gate(SERVING, draining=True, ready=True, tuning=True) == "draining"
+    assert policy.gate(SERVING, draining=True, ready=True, tuning=True) == "tuning"
     paused = dataclasses.replace(SERVING, pause=Pause("game", None))
     assert policy.gate(paused, draining=False, ready=True, tuning=True) == "paused"
 

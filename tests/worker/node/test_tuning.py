@@ -96,3 +96,11 @@ def test_tuned_says_the_arguments_in_words_against_the_tier() -> None:
     said = tuning.tuned(("-np", "8", "-c", "32768"), ("-c", "4096", "-np", "1"), 41.56, 1.04)
     assert (said.args, said.gain_pct, said.noise_pct) == (("-np", "8", "-c", "32768"), 41.6, 1.0)
     assert said.words == ("serves 8 requests at once instead of 1",)
+
+
+def test_an_engine_runs_with_its_tuned_arguments_only_where_its_command_line_has_them_in_order() -> None:
+    argv = ("llama-server", "-m", "m.gguf", "-c", "4096", "-np", "1", "-np", "4", "-c", "16384", "--host", "x")
+    assert tuning.runs_with(argv, ("-np", "4", "-c", "16384"))
+    assert not tuning.runs_with(argv[:7] + argv[11:], ("-np", "4", "-c", "16384"))  # the tier alone: a fallback
+    assert not tuning.runs_with(argv, ("-c", "16384", "-np", "4"))
+    assert tuning.runs_with(argv, ())

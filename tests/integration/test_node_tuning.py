@@ -1,0 +1,131 @@
+"""Auto-tune in the whole node, with the reference coordinator offering `autotune` and a real
+llama-server: a bad `tune` block serves untuned and says why; a `tune` message runs a search whose
+trials the relay answers with 503 `tuning`; the engine comes back with what it adopted, shown in
+`status`; a pause ends the running trial at once and the search resumes later."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_node import STATE_TIMEOUT_S, processes_mentioning, running_node
+from tests.support.engines import LlamaServer
+from worker.contract import protocol
+from worker.node.tuner import TunerSettings
+
+pytestmark = pytest.mark.integration
+
+QUICK = TunerSettings(repeats=1, warmup=1, pairs=2, blocks=1, run_s=0.5, ready_timeout_s=60.0)  # a few seconds a trial
+SEARCH_S = 240.0
+ASK = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+
+
+def tuned_assign(model: Path, tune: Any, base_args: list[str] | None = None) -> protocol.Assign:
+    spec = protocol.EngineModel(source=str(model), weights_mib=1, tune=tune,
+                                base_args=base_args or ["--ctx-size", "2048", "--threads", "1", "-np", "1"])
+    return protocol.Assign(assignment_id="t-1", model=protocol.ModelSpec(name="tiny-llama", llamacpp=spec))
+
+
+def tuning_is(*states: str) -> Any:
+    def test(message: Any) -> bool:
+        return isinstance(message, protocol.Status) and message.tuning is not None and message.tuning.state in states
+
+    return test
+
+
+async def test_a_bad_tune_block_serves_untuned_and_status_says_why(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    bad = {"when": ["on_assign"], "space": {"--ctx-size": {"min": 512, "max": 4096}}}  # context is never tuned
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, bad)) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        assert ready.tuning is not None and ready.tuning.state == "refused"
+        assert ready.tuning.refused is not None and "--ctx-size" in ready.tuning.refused.reason
+        assert ready.engines[0].tuned is None and ready.refused is None
+        whole = await run.ask({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})
+        assert whole.error is None and whole.end is not None  # it serves
+        assert run.node.snapshot().tuning is not None and run.node.snapshot().tuning.state == "refused"
+        await run.coordinator.tune("t-1")  # asking does not make a refused block good
+        again = await run.coordinator.wait_for(lambda m: isinstance(m, protocol.Status), after=run.mark(),
+                                               timeout=STATE_TIMEOUT_S)
+        assert again.tuning is not None and again.tuning.state == "refused"
+
+
+def on_request(max_trials: int) -> dict[str, Any]:
+    return {"when": ["on_request"], "budget": {"max_trials": max_trials, "max_minutes": 3},
+            "objective": {"ladder_max": 2}, "space": {"-np": {"min": 1, "max": 4}}}
+
+
+async def test_a_tune_message_runs_a_search_while_requests_get_503_tuning_then_serves_with_what_it_found(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, on_request(1)),
+                            tuner_settings=QUICK) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        assert ready.tuning == protocol.TuningStatus(state="idle")  # on_request only: nothing until asked
+        mark = run.mark()
+        await run.coordinator.tune("t-1")
+        running = await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
+        assert running.tuning is not None and running.tuning.trials_max == 1
+        refused = await run.ask(ASK)
+        assert refused.error is not None and (refused.error.status, refused.error.code) == (503, "tuning")
+        assert run.node.snapshot().tuning is not None
+
+        report = await run.coordinator.wait_for("tune.report", after=mark, timeout=SEARCH_S)
+        assert (report.assignment_id, report.engine_id) == ("t-1", "e0")
+        assert report.outcome in ("adopted", "kept_baseline") and report.elapsed_s > 0
+        assert report.baseline is not None and report.baseline.args == ["--ctx-size", "2048", "--threads", "1", "-np", "1"]
+        assert [lv.concurrency for lv in report.baseline.levels] == [1]  # one slot holds one request at a time
+        assert len(report.trials) == 1 and report.trials[0].args[:2] == ["-np", "2"]
+        done = await run.coordinator.wait_for(
+            lambda m: tuning_is("done")(m) and m.state == "ready", after=mark, timeout=STATE_TIMEOUT_S)
+        [engine] = done.engines
+        if report.outcome == "adopted":
+            assert report.chosen is not None and report.chosen.gain_pct is not None
+            assert report.trials[0].lost is None
+            assert engine.tuned is not None and engine.tuned.args == report.chosen.args
+            assert engine.argv[-len(report.chosen.args) - 4:-4] == report.chosen.args or \
+                " ".join(report.chosen.args) in " ".join(engine.argv)
+        else:
+            assert report.chosen is None and report.trials[0].lost
+            assert engine.tuned is None and "-np 2" not in " ".join(engine.argv)
+        served = await run.ask(ASK)
+        assert served.error is None and served.end is not None
+
+
+async def test_a_pause_ends_the_running_trial_at_once_and_the_search_carries_on_after_the_resume(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, on_request(3)),
+                            tuner_settings=QUICK) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        mark = run.mark()
+        await run.coordinator.tune("t-1")
+        await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
+        mark = run.mark()
+        run.node.pause()
+        paused = await run.coordinator.wait_for(lambda m: tuning_is("cancelled")(m) and m.state == "paused",
+                                                after=mark, timeout=15.0)  # at once, not after the trial
+        assert paused.engines == []
+        report = await run.coordinator.wait_for("tune.report", after=mark, timeout=5.0)
+        assert report.outcome == "cancelled"
+        assert processes_mentioning(str(tiny_gguf)) == []  # the trial engine is gone too
+
+        mark = run.mark()
+        run.node.resume()
+        again = await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
+        assert again.tuning is not None and again.tuning.trials_max == 3
+        mark = run.mark()
+        await run.coordinator.tune("t-1", "cancel")
+        back = await run.coordinator.wait_for(lambda m: tuning_is("cancelled")(m) and m.state == "ready",
+                                              after=mark, timeout=STATE_TIMEOUT_S)
+        assert back.engines[0].tuned is None
+        assert (await run.ask(ASK)).error is None
