@@ -12,8 +12,14 @@ import pytest
 
 from tests.integration.test_node import STATE_TIMEOUT_S, processes_mentioning, running_node
 from tests.support.engines import LlamaServer
+from tests.worker.hardware.recorded import replay
 from worker.contract import protocol
+from worker.hardware import Machine
+from worker.measure.tuned import Kept, TunedStore, TuneKey
+from worker.node import tuning
 from worker.node.tuner import TunerSettings
+from worker.plan.planner import Plan, plan
+from worker.system.config import Paths, Settings
 
 pytestmark = pytest.mark.integration
 
@@ -129,3 +135,63 @@ async def test_a_pause_ends_the_running_trial_at_once_and_the_search_carries_on_
                                               after=mark, timeout=STATE_TIMEOUT_S)
         assert back.engines[0].tuned is None
         assert (await run.ask(ASK)).error is None
+
+
+def key_of(assign: protocol.Assign) -> TuneKey:
+    """What the node keeps a result of `assign` under on the recorded CPU-only machine."""
+    machine = Machine.from_detect_json(replay("no-gpu.json").to_detect_json())  # as the node reads its override
+    accepted = plan(machine, assign, Settings())
+    assert isinstance(accepted, Plan), accepted
+    return tuning.key(machine, accepted, accepted.engines[0])
+
+
+def store(tmp_path: Path) -> TunedStore:
+    """The node's store of tuning results (its data folder)."""
+    return TunedStore(Paths.under(tmp_path / "node").ensure().data_dir)
+
+
+def keep(tmp_path: Path, assign: protocol.Assign, args: tuple[str, ...]) -> None:
+    """A result an earlier tuning on this machine kept for this model, engine version and tier."""
+    store(tmp_path).keep(key_of(assign), Kept(args, 12.5, 1.5, 100.0))
+
+
+async def test_a_kept_result_goes_after_the_tier_at_each_start_and_a_forget_drops_it(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    assign = tuned_assign(tiny_gguf, on_request(1))
+    keep(tmp_path, assign, ("-np", "2", "-c", "4096"))
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=assign) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        [engine] = ready.engines
+        assert engine.tuned == protocol.Tuned(args=["-np", "2", "-c", "4096"], gain_pct=12.5, noise_pct=1.5)
+        argv = " ".join(engine.argv)
+        assert "--ctx-size 2048 --threads 1 -np 1 -np 2 -c 4096" in argv  # after the tier: the last one wins
+        assert engine.kv_cache_tokens == 4096 and engine.max_concurrency == 2.0
+        assert ready.tuning == protocol.TuningStatus(state="done")
+        shown = run.node.snapshot()
+        assert shown.tuning is not None and shown.tuning.chosen is not None
+        assert shown.tuning.chosen.words == ("serves 2 requests at once instead of 1",)
+
+        mark = run.mark()
+        await run.coordinator.tune("t-1", "forget")
+        untuned = await run.coordinator.wait_for(
+            lambda m: isinstance(m, protocol.Status) and m.state == "ready" and m.engines
+            and m.engines[0].tuned is None, after=mark, timeout=STATE_TIMEOUT_S)
+        assert "-np 2" not in " ".join(untuned.engines[0].argv) and untuned.engines[0].max_concurrency == 1.0
+        assert untuned.tuning == protocol.TuningStatus(state="idle")
+        assert (await run.ask(ASK)).error is None
+    assert store(tmp_path).kept(key_of(assign)) is None
+
+
+async def test_kept_arguments_the_allowlist_refuses_now_are_not_used(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    assign = tuned_assign(tiny_gguf, on_request(1))
+    keep(tmp_path, assign, ("--rpc", "10.0.0.1:50052"))  # kept by another version, say: not on this one's list
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=assign) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        assert ready.engines[0].tuned is None and "--rpc" not in ready.engines[0].argv

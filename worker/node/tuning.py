@@ -181,5 +181,6 @@ def ended(report: TuneReport | None, trials_max: int, baseline: Sequence[str]) -
     chosen = None
     if report.outcome == "adopted" and report.chosen is not None:
         chosen = tuned(report.chosen, baseline, report.gain_pct or 0.0, report.noise_pct or 0.0)
-    return TuningSnapshot(state=state, trial=len(report.trials), trials_max=trials_max,
+    tried = sum(1 for t in report.trials if t.result != "baseline")
+    return TuningSnapshot(state=state, trial=tried, trials_max=trials_max,
                           elapsed_s=report.elapsed_s, best_gain_pct=report.gain_pct, chosen=chosen)

@@ -3,6 +3,7 @@ tuned arguments laid after the tier, checked again."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import namedtuple
 from typing import Any
 
@@ -11,7 +12,10 @@ import pytest
 from tests.worker.engines.test_vllm_cpu import cpu_machine
 from worker.contract import protocol
 from worker.contract.events import TuningSnapshot
+from worker.measure.load import LevelFigures, Measurement
+from worker.measure.tuned import TrialRecord
 from worker.node import tuning
+from worker.node.tuner import TuneReport
 from worker.plan.planner import Plan, plan
 from worker.system.config import Settings
 
@@ -104,3 +108,69 @@ def test_an_engine_runs_with_its_tuned_arguments_only_where_its_command_line_has
     assert not tuning.runs_with(argv[:7] + argv[11:], ("-np", "4", "-c", "16384"))  # the tier alone: a fallback
     assert not tuning.runs_with(argv, ("-c", "16384", "-np", "4"))
     assert tuning.runs_with(argv, ())
+
+
+# --- what a search reports ------------------------------------------------------------------------
+
+def level(n: int, tok_s: float, failed: int = 0) -> LevelFigures:
+    return LevelFigures(concurrency=n, aggregate_tok_s=tok_s, per_request_tok_s=tok_s / n, ttft_p90_ms=120.04,
+                        failed=failed)
+
+
+BASELINE = Measurement(levels=(level(1, 40.0), level(2, 52.123)), greedy=("the answer",), kv_tokens=4096)
+TIER = ("-c", "4096", "-np", "1")
+
+
+def search(outcome: str, chosen: tuple[str, ...] | None = None) -> TuneReport:
+    trials = (TrialRecord((), "baseline", BASELINE.levels),
+              TrialRecord(("-np", "2", "-c", "8192"), "adopted" if chosen else "lost:below_threshold",
+                          (level(1, 41.0), level(2, 80.0))),
+              TrialRecord(("-np", "4", "-c", "16384"), "oom_start", ()),
+              TrialRecord(("-t", "2"), "lost:regressed:decode", (level(1, 20.0), level(2, 30.0))))
+    return TuneReport(outcome, BASELINE, chosen, 41.7 if chosen else None, 1.2 if chosen else None,  # type: ignore[arg-type]
+                      402.06, trials)
+
+
+def test_the_report_has_each_trials_arguments_figures_and_why_it_lost() -> None:
+    sent = tuning.report_message("a-17", "e0", TIER, search("adopted", ("-np", "2", "-c", "8192")))
+    assert (sent.type, sent.assignment_id, sent.engine_id, sent.outcome, sent.elapsed_s) == (
+        "tune.report", "a-17", "e0", "adopted", 402.1)
+    assert sent.baseline == protocol.TuneFigures(args=list(TIER), levels=[
+        protocol.TuneLevel(concurrency=1, aggregate_tok_s=40.0, per_request_tok_s=40.0, ttft_p90_ms=120.0),
+        protocol.TuneLevel(concurrency=2, aggregate_tok_s=52.12, per_request_tok_s=26.06, ttft_p90_ms=120.0)])
+    assert sent.chosen is not None and sent.chosen.args == ["-np", "2", "-c", "8192"]
+    assert (sent.chosen.gain_pct, sent.chosen.noise_pct, len(sent.chosen.levels)) == (41.7, 1.2, 2)
+    assert [(t.args, t.lost, len(t.levels)) for t in sent.trials] == [
+        (["-np", "2", "-c", "8192"], None, 2), (["-np", "4", "-c", "16384"], "oom_start", 0),
+        (["-t", "2"], "regressed:decode", 2)]
+    assert "the answer" not in protocol.encode(sent)  # no prompts or answers
+
+
+def test_a_kept_baseline_reports_no_choice_and_every_trials_reason() -> None:
+    sent = tuning.report_message("a-17", "e0", TIER, search("kept_baseline"))
+    assert sent.outcome == "kept_baseline" and sent.chosen is None
+    assert [t.lost for t in sent.trials] == ["below_threshold", "oom_start", "regressed:decode"]
+
+
+def test_a_search_that_failed_before_reporting_is_reported_failed() -> None:
+    sent = tuning.report_message("a-17", "e0", TIER, None)
+    assert (sent.outcome, sent.baseline, sent.trials) == ("failed", None, [])
+
+
+def test_a_report_of_many_trials_fits_the_contracts_64_kib() -> None:
+    many = search("kept_baseline")
+    trials = many.trials + tuple(TrialRecord(("--some-long-flag-" + "x" * 200, str(i)), "lost:gate",
+                                             tuple(level(2 ** k, 10.0) for k in range(10))) for i in range(256))
+    sent = tuning.report_message("a-17", "e0", TIER, dataclasses.replace(many, trials=trials))
+    assert len(protocol.encode(sent).encode()) <= protocol.MAX_TUNE_REPORT_BYTES
+    assert sent.trials[0].lost == "below_threshold"  # the first trials keep their reasons
+
+
+def test_the_snapshot_once_a_search_ended() -> None:
+    adopted = tuning.ended(search("adopted", ("-np", "2", "-c", "8192")), 12, TIER)
+    assert (adopted.state, adopted.trial, adopted.trials_max, adopted.best_gain_pct) == ("done", 3, 12, 41.7)
+    assert adopted.chosen is not None and adopted.chosen.words == ("serves 2 requests at once instead of 1",)
+    kept = tuning.ended(search("kept_baseline"), 12, TIER)
+    assert (kept.state, kept.chosen) == ("done", None)
+    assert tuning.ended(search("cancelled"), 12, TIER).state == "cancelled"
+    assert tuning.ended(None, 12, TIER) == TuningSnapshot(state="failed", trials_max=12)
