@@ -1,0 +1,72 @@
+"""The tuner's load: closed loop (N requests in flight, never more), warm-up sent and not counted,
+figures per level, a long prefill beside at levels 1 and 2 only, failures counted, greedy probes
+at temperature 0; against the fake engine on a Unix socket, as the app reaches its engines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.fake_engine import Behaviour, FakeEngine
+from worker.measure.load import Endpoint, kv_slots, ladder, measure, prompt_set, read_prompts, shipped_prompts
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "tune"
+DELAY_S = 0.01
+
+
+def endpoint(engine: FakeEngine) -> Endpoint:
+    return Endpoint(engine.base_url, engine.api_key, engine.served_name, engine.socket_path)
+
+
+@pytest.fixture
+async def engine(tmp_path: Path) -> FakeEngine:
+    async with FakeEngine(behaviour=Behaviour(tokens=10, token_delay_s=DELAY_S),
+                          socket_path=str(tmp_path / "e.sock")) as fake:
+        yield fake
+
+
+async def test_each_level_holds_exactly_its_requests_in_flight(engine: FakeEngine) -> None:
+    prompts = read_prompts(FIXTURES / "prompts-bytes.json")
+    m = await measure(endpoint(engine), (1, 4), repeats=1, warmup=2, prompts=prompts, long_prefill_beside=False,
+                      run_s=0.3)
+    assert [lv.concurrency for lv in m.levels] == [1, 4] and all(lv.failed == 0 for lv in m.levels)
+    one, four = m.levels
+    # 10 tokens 10 ms apart: about 100 tok/s per request, four at once about four times that
+    assert 50 < one.per_request_tok_s < 120 and 50 < four.per_request_tok_s < 120
+    assert 2.5 < four.aggregate_tok_s / one.aggregate_tok_s < 4.5
+    assert 0 < one.ttft_p90_ms < 200
+    bodies = [r.body for r in engine.records]
+    assert all(b["temperature"] == 0.0 and b["model"] == "fake-model" for b in bodies)
+    assert all(r.headers.get("authorization") == f"Bearer {engine.api_key}" for r in engine.records)
+    assert sum(1 for b in bodies if not b["stream"]) == len(prompts.probes)  # the greedy probes, whole
+    assert m.greedy and len(m.greedy) == len(prompts.probes)
+
+
+async def test_a_long_prefill_runs_beside_levels_one_and_two_only(engine: FakeEngine) -> None:
+    prompts = read_prompts(FIXTURES / "prompts-bytes.json")
+    long_text = prompts.long_prefill.messages[-1][1]
+    await measure(endpoint(engine), (1, 2, 4), repeats=1, warmup=0, prompts=prompts, run_s=0.1)
+    beside = [r for r in engine.records if r.body["messages"][-1]["content"] == long_text]
+    assert len(beside) == 2
+
+
+async def test_failed_requests_are_counted(tmp_path: Path) -> None:
+    async with FakeEngine(behaviour=Behaviour(tokens=10, crash_after=3), socket_path=str(tmp_path / "e.sock")) as fake:
+        m = await measure(endpoint(fake), (2,), repeats=1, warmup=0, prompts=shipped_prompts(),
+                          long_prefill_beside=False, run_s=0.05)
+    assert m.levels[0].failed >= 2
+
+
+def test_the_ladder_doubles_up_to_the_top_and_the_kv() -> None:
+    assert ladder(16) == (1, 2, 4, 8, 16) and ladder(12) == (1, 2, 4, 8) and ladder(16, 3) == (1, 2)
+    prompts = prompt_set(json.loads((FIXTURES / "prompts-bytes.json").read_text()))
+    assert kv_slots(None, prompts) is None and kv_slots(10, prompts) == 1
+    assert kv_slots(100_000, prompts) > kv_slots(10_000, prompts) > 1
+
+
+def test_the_shipped_set_has_every_class_and_short_answers() -> None:
+    prompts = shipped_prompts()
+    assert {p.cls for p in prompts.load} == {"chat", "long", "shared_prefix", "tool_call"}
+    assert prompts.probes and all(p.max_tokens <= 64 for p in (*prompts.load, *prompts.probes))
