@@ -150,9 +150,10 @@ def store(tmp_path: Path) -> TunedStore:
     return TunedStore(Paths.under(tmp_path / "node").ensure().data_dir)
 
 
-def keep(tmp_path: Path, assign: protocol.Assign, args: tuple[str, ...]) -> None:
-    """A result an earlier tuning on this machine kept for this model, engine version and tier."""
-    store(tmp_path).keep(key_of(assign), Kept(args, 12.5, 1.5, 100.0))
+def keep(tmp_path: Path, assign: protocol.Assign, args: tuple[str, ...], tok_s: float = 100.0) -> None:
+    """A result an earlier tuning on this machine kept for this model, engine version and tier,
+    adopted at `tok_s` (the tiny model serves well over a thousand here)."""
+    store(tmp_path).keep(key_of(assign), Kept(args, 12.5, 1.5, tok_s))
 
 
 async def test_a_kept_result_goes_after_the_tier_at_each_start_and_a_forget_drops_it(
@@ -161,7 +162,7 @@ async def test_a_kept_result_goes_after_the_tier_at_each_start_and_a_forget_drop
     bins = {"llamacpp": str(llama_server_bin.executable)}
     assign = tuned_assign(tiny_gguf, on_request(1))
     keep(tmp_path, assign, ("-np", "2", "-c", "4096"))
-    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=assign) as run:
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=assign, tuner_settings=QUICK) as run:
         ready = await run.status("ready", "failed")
         assert ready.state == "ready", ready.last_error
         [engine] = ready.engines
@@ -195,3 +196,21 @@ async def test_kept_arguments_the_allowlist_refuses_now_are_not_used(
         ready = await run.status("ready", "failed")
         assert ready.state == "ready", ready.last_error
         assert ready.engines[0].tuned is None and "--rpc" not in ready.engines[0].argv
+
+
+async def test_a_kept_result_that_measures_slower_than_the_tier_did_is_dropped_at_start(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    assign = tuned_assign(tiny_gguf, on_request(1))
+    keep(tmp_path, assign, ("-np", "2", "-c", "4096"), tok_s=1e9)  # adopted on a machine far faster than this
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=assign, tuner_settings=QUICK) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        assert ready.engines[0].tuned is not None  # started with it, then measured
+        untuned = await run.coordinator.wait_for(
+            lambda m: isinstance(m, protocol.Status) and m.state == "ready" and m.engines
+            and m.engines[0].tuned is None, timeout=STATE_TIMEOUT_S)
+        assert "-np 2" not in " ".join(untuned.engines[0].argv)
+        assert (await run.ask(ASK)).error is None
+    assert store(tmp_path).kept(key_of(assign)) is None

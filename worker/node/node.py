@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
+
 from pydantic import BaseModel
 
 from worker.contract import protocol
@@ -49,7 +51,7 @@ from worker.link.outgoing import Outgoing
 from worker.node.sampler import Sampler
 from worker.node import tuning
 from worker.node.tuner import TuneReport, Tuner, TunerSettings
-from worker.measure.tuned import TuneKey, TunedStore
+from worker.measure.tuned import Kept, TuneKey, TunedStore
 from worker.node.view import Pause, build_hello, build_snapshot, build_status, engine_views
 from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
 from worker.serve.process import reap_leftovers
@@ -149,7 +151,9 @@ class Node:
         self._tuning_now = False  # trial engines hold the card: the relay answers 503 `tuning`
         self._launched: list[EnginePlan] = []  # the provisioned plans, without tuned arguments
         self._tuned: dict[str, Tuned] = {}  # by engine id: what each running engine runs after its tier
-        self._kept: Tuned | None = None  # the result tuning kept for the target on this machine
+        self._kept: Kept | None = None  # the result tuning kept for the target on this machine
+        self._recheck: set[str] = set()  # engines started with a kept result: measured again once ready
+        self._just_tuned = False  # the launch right after a search
         self._tuned_store: TunedStore | None = None  # opened when first needed
         self._tuner_settings = tuner_settings
         self._requests_seen = 0
@@ -517,6 +521,9 @@ class Node:
         if snap.state == "ready" and sup is not None and sup.run_id is not None:
             self._metering.start_run(snap.engine_id, sup.run_id)
             self._check_tuned(snap)
+            if snap.engine_id in self._recheck:
+                self._recheck.discard(snap.engine_id)
+                self._tasks.spawn(self._measure_kept(snap.engine_id))
             self._tune_when_due()
         elif snap.state in ("starting", "failed", "stopped"):
             self._metering.forget(snap.engine_id)
@@ -582,7 +589,8 @@ class Node:
         provisioned = next((p for p in engine_plans if p.engine_id == found.engine_plan.engine_id), found.engine_plan)
         self._tune_target = dataclasses.replace(found, engine_plan=provisioned)
         self._kept = await self._read_kept(self._tune_target)
-        self._tuning = TuningSnapshot(state="done", chosen=self._kept) if self._kept else TuningSnapshot()
+        chosen = self._kept_words(self._tune_target)
+        self._tuning = TuningSnapshot(state="done", chosen=chosen) if chosen else TuningSnapshot()
         if self._kept is None and "on_assign" in found.spec.when:
             self._tune_pending = "on_assign"
 
@@ -590,16 +598,17 @@ class Node:
         assert self.machine is not None and self._tune_plan is not None
         return tuning.key(self.machine, self._tune_plan, target.engine_plan)
 
-    async def _read_kept(self, target: tuning.Target) -> Tuned | None:
+    async def _read_kept(self, target: tuning.Target) -> Kept | None:
         """The result a tuning on this machine kept for this model, engine version and tier."""
         try:
-            kept = await asyncio.to_thread(self._store().kept, self._tune_key(target))
+            return await asyncio.to_thread(self._store().kept, self._tune_key(target))
         except (OSError, sqlite3.Error) as exc:
             log.error("could not read the kept tuning results (%s); serving untuned", exc)
             return None
-        if kept is None:
-            return None
-        return tuning.tuned(kept.args, target.engine_plan.args, kept.gain_pct, kept.noise_pct)
+
+    def _kept_words(self, target: tuning.Target) -> Tuned | None:
+        kept = self._kept
+        return tuning.tuned(kept.args, target.engine_plan.args, kept.gain_pct, kept.noise_pct) if kept else None
 
     async def _forget_kept(self, why: str) -> None:
         """The kept result dropped (the coordinator's `forget`, or arguments an engine failed with)."""
@@ -620,13 +629,17 @@ class Node:
     def _with_kept(self, engine_plan: EnginePlan) -> EnginePlan:
         """`engine_plan` with the arguments tuning kept for its engine, where there are some."""
         self._tuned.pop(engine_plan.engine_id, None)
+        self._recheck.discard(engine_plan.engine_id)
         target, kept = self._tune_target, self._kept
         if target is None or kept is None or engine_plan.engine != target.engine_plan.engine:
             return engine_plan
         tuned_plan = tuning.with_tuned(engine_plan, kept.args, allow_remote_code=self.settings.allow_remote_code)
-        if tuned_plan is None:
+        words = self._kept_words(target)
+        if tuned_plan is None or words is None:
             return engine_plan
-        self._tuned[engine_plan.engine_id] = kept
+        self._tuned[engine_plan.engine_id] = words
+        if not self._just_tuned:
+            self._recheck.add(engine_plan.engine_id)
         return tuned_plan
 
     def _check_tuned(self, snap: EngineSnapshot) -> None:
@@ -639,6 +652,32 @@ class Node:
         if self._tuning is not None and self._tuning.state == "done":
             self._tuning = TuningSnapshot()
         self._tasks.spawn(self._forget_kept(f"engine {snap.engine_id} started only without them"))
+
+    async def _measure_kept(self, engine_id: str) -> None:
+        """The kept result checked at this start: the engine measured (requests get 503 `tuning`
+        meanwhile) and the result dropped where it no longer beats what the tier served."""
+        kept, target = self._kept, self._tune_target
+        if kept is None or target is None or self._engines_lock is None:
+            return
+        async with self._engines_lock:
+            sup = self._engines.get(engine_id)
+            engine = sup.target() if sup is not None else None
+            if engine is None or self._kept is not kept or self._held.pause is not None:
+                return
+            self._tuning_now = True
+            try:
+                await self._relay.drain(DRAIN_S, "tuning")
+                measured = await tuning.measure_peak(engine, target.spec, sup.snapshot() if sup else None,
+                                                     run_s=self._tuner_settings.run_s)
+            except (OSError, httpx.HTTPError) as exc:
+                log.warning("could not measure engine %s's tuned arguments at this start: %s", engine_id, exc)
+                return
+            finally:
+                self._tuning_now = False
+        log.info("engine %s with its tuned arguments: %.1f tok/s at this start (adopted at %.1f)", engine_id,
+                 measured, kept.tok_s)
+        if tuning.regressed(kept, measured):
+            await self._untune(f"{measured:.1f} tok/s at this start is no faster than the tier served")
 
     def _tuning_view(self) -> TuningSnapshot | None:
         """The tuning snapshot of the held plan, a running search's time as of now."""
@@ -734,7 +773,11 @@ class Node:
                 self._tuner, self._tuning_now = None, False
             await self._tuning_ended(target, report)
             if self._tune_target is target and self._held.pause is None and not self._held.stopping:
-                await self._launch(self._launched)
+                self._just_tuned = True  # what it adopted was measured moments ago: no check at this start
+                try:
+                    await self._launch(self._launched)
+                finally:
+                    self._just_tuned = False
 
     def _on_progress(self, trial: int, trials_max: int) -> None:
         """The tuner's trial count: shown, and told to the coordinator."""
@@ -746,8 +789,8 @@ class Node:
         """What a search found: shown, kept where it adopted (the tuner kept it), and reported."""
         baseline = target.engine_plan.args
         self._tuning = tuning.ended(report, target.spec.budget.max_trials, baseline)
-        if self._tuning.chosen is not None:
-            self._kept = self._tuning.chosen
+        if report is not None and report.outcome == "adopted":
+            self._kept = await self._read_kept(target)  # as the tuner kept it
         chosen = self._tuning.chosen
         log.info("tuning %s ended: %s%s", target.assignment_id, report.outcome if report else "failed",
                  f", {' '.join(chosen.args)} ({chosen.gain_pct:+.1f} %)" if chosen else "")

@@ -26,15 +26,16 @@ from typing import TYPE_CHECKING, Literal
 import psutil
 
 from worker.contract import protocol
-from worker.contract.events import Tuned, TuningSnapshot, TuningState
+from worker.contract.events import EngineSnapshot, Tuned, TuningSnapshot, TuningState
 from worker.hardware import Machine
 from worker.node.view import tuned_words
-from worker.measure.tuned import TuneKey, machine_key
+from worker.measure.load import Endpoint, LevelFigures, ladder, measure, shipped_prompts
+from worker.measure.tuned import Kept, TuneKey, machine_key
 from worker.plan.planner import EnginePlan, Plan, running_version
 from worker.plan.tuning import build_space
+from worker.relay.forward import EngineTarget
 
 if TYPE_CHECKING:
-    from worker.measure.load import LevelFigures
     from worker.node.tuner import TuneReport
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,27 @@ def with_tuned(engine_plan: EnginePlan, tuned: Sequence[str], *, allow_remote_co
         return None
     fallbacks = ((engine_plan.tier, tuple(engine_plan.args)),) + tuple(engine_plan.fallbacks)
     return dataclasses.replace(engine_plan, args=args, fallbacks=fallbacks)
+
+
+async def measure_peak(engine: EngineTarget, spec: protocol.TuneSpec, snap: EngineSnapshot | None, *,
+                       run_s: float) -> float:
+    """A ready engine's best aggregate tok/s over the objective's ladder (as far as its KV holds
+    requests), on the shipped prompts, warm-up excluded: a start's check of a kept result."""
+    ladder_max = (spec.objective or protocol.TuneObjective()).ladder_max
+    slots = int(snap.max_concurrency) if snap and snap.max_concurrency and snap.max_concurrency >= 1 else None
+    endpoint = Endpoint(engine.base_url, engine.api_key, engine.served_model_name, engine.socket_path)
+    prompts = dataclasses.replace(shipped_prompts(), probes=())
+    figures = await measure(endpoint, ladder(ladder_max, slots), repeats=1, warmup=1, prompts=prompts,
+                            long_prefill_beside=False, run_s=run_s)
+    return figures.peak_tok_s
+
+
+def regressed(kept: Kept, measured_tok_s: float) -> bool:
+    """A kept result that no longer beats the tier: the aggregate measured at a start is below what
+    the tier's arguments served when it was adopted (its figure less the gain), less twice the
+    spread it was measured with."""
+    tier_tok_s = kept.tok_s / (1 + kept.gain_pct / 100)
+    return measured_tok_s < tier_tok_s * (1 - 2 * kept.noise_pct / 100)
 
 
 def runs_with(argv: Sequence[str], tuned: Sequence[str]) -> bool:

@@ -13,7 +13,7 @@ from tests.worker.engines.test_vllm_cpu import cpu_machine
 from worker.contract import protocol
 from worker.contract.events import TuningSnapshot
 from worker.measure.load import LevelFigures, Measurement
-from worker.measure.tuned import TrialRecord
+from worker.measure.tuned import Kept, TrialRecord
 from worker.node import tuning
 from worker.node.tuner import TuneReport
 from worker.plan.planner import Plan, plan
@@ -174,3 +174,10 @@ def test_the_snapshot_once_a_search_ended() -> None:
     assert (kept.state, kept.chosen) == ("done", None)
     assert tuning.ended(search("cancelled"), 12, TIER).state == "cancelled"
     assert tuning.ended(None, 12, TIER) == TuningSnapshot(state="failed", trials_max=12)
+
+
+def test_a_kept_result_regressed_where_it_no_longer_beats_what_the_tier_served() -> None:
+    kept = Kept(("-np", "4"), gain_pct=25.0, noise_pct=2.0, tok_s=125.0)  # the tier served 100
+    assert not tuning.regressed(kept, 120.0)
+    assert not tuning.regressed(kept, 96.5)  # within twice the spread of the tier's figure
+    assert tuning.regressed(kept, 95.0)
