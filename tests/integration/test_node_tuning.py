@@ -5,6 +5,9 @@ trials the relay answers with 503 `tuning`; the engine comes back with what it a
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import namedtuple
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ pytestmark = pytest.mark.integration
 QUICK = TunerSettings(repeats=1, warmup=1, pairs=2, blocks=1, run_s=0.5, ready_timeout_s=60.0)  # a few seconds a trial
 SEARCH_S = 240.0
 ASK = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+Battery = namedtuple("Battery", "percent secsleft power_plugged")  # what psutil.sensors_battery reads
 
 
 def tuned_assign(model: Path, tune: Any, base_args: list[str] | None = None) -> protocol.Assign:
@@ -105,8 +109,9 @@ async def test_a_tune_message_runs_a_search_while_requests_get_503_tuning_then_s
         assert served.error is None and served.end is not None
 
 
-async def test_a_pause_ends_the_running_trial_at_once_and_the_search_carries_on_after_the_resume(
-    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+@pytest.mark.parametrize("reason", ["user", "game"])
+async def test_a_pause_or_a_game_ends_the_running_trial_at_once_and_the_search_carries_on_after(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path, reason: str
 ) -> None:
     bins = {"llamacpp": str(llama_server_bin.executable)}
     async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, on_request(3)),
@@ -117,7 +122,7 @@ async def test_a_pause_ends_the_running_trial_at_once_and_the_search_carries_on_
         await run.coordinator.tune("t-1")
         await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
         mark = run.mark()
-        run.node.pause()
+        run.node.pause(reason=reason, detail="Cyberpunk2077.exe" if reason == "game" else None)  # as auto-pause does
         paused = await run.coordinator.wait_for(lambda m: tuning_is("cancelled")(m) and m.state == "paused",
                                                 after=mark, timeout=15.0)  # at once, not after the trial
         assert paused.engines == []
@@ -214,3 +219,61 @@ async def test_a_kept_result_that_measures_slower_than_the_tier_did_is_dropped_a
         assert "-np 2" not in " ".join(untuned.engines[0].argv)
         assert (await run.ask(ASK)).error is None
     assert store(tmp_path).kept(key_of(assign)) is None
+
+
+async def test_on_assign_tunes_after_the_first_ready_and_then_serves(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    tune = {**on_request(1), "when": ["on_assign"]}
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, tune),
+                            tuner_settings=QUICK) as run:
+        running = await run.coordinator.wait_for(tuning_is("running"), timeout=STATE_TIMEOUT_S)
+        assert running.tuning is not None and running.tuning.trials_max == 1
+        report = await run.coordinator.wait_for("tune.report", timeout=SEARCH_S)
+        assert report.outcome in ("adopted", "kept_baseline")
+        done = await run.coordinator.wait_for(lambda m: tuning_is("done")(m) and m.state == "ready",
+                                              timeout=STATE_TIMEOUT_S)
+        assert done.tuning is not None and done.tuning.trial == 1
+        assert (await run.ask(ASK)).error is None
+
+
+async def test_on_battery_a_search_waits_and_starts_once_the_computer_is_plugged_in(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    plugged = [False]
+    monkeypatch.setattr("psutil.sensors_battery", lambda: Battery(57, 5400, plugged[0]))
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, on_request(1)),
+                            tuner_settings=QUICK) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        mark = run.mark()
+        await run.coordinator.tune("t-1")
+        await asyncio.sleep(3.0)  # three of the node's seconds
+        assert not [m for m in run.coordinator.received[mark:] if tuning_is("running")(m)]
+        assert (await run.ask(ASK)).error is None  # it serves meanwhile
+        plugged[0] = True
+        await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
+        await run.coordinator.wait_for("tune.report", after=mark, timeout=SEARCH_S)
+
+
+async def test_idle_tunes_after_ten_minutes_without_a_request(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    later = [0.0]
+    tune = {**on_request(1), "when": ["idle"]}
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, tune),
+                            tuner_settings=QUICK, monotonic=lambda: time.monotonic() + later[0]) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        assert (await run.ask(ASK)).error is None
+        await asyncio.sleep(2.0)  # the node's seconds count it before the clock moves on
+        mark = run.mark()
+        later[0] = tuning.IDLE_S - 30.0  # nine and a half minutes on: not yet
+        await asyncio.sleep(2.5)
+        assert not [m for m in run.coordinator.received[mark:] if tuning_is("running")(m)]
+        later[0] = tuning.IDLE_S + 1.0
+        await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
+        await run.coordinator.wait_for("tune.report", after=mark, timeout=SEARCH_S)
