@@ -217,7 +217,9 @@ class Dashboard(QMainWindow):
 
     def _show_header(self, snapshot: NodeSnapshot) -> None:
         restarting = [e for e in snapshot.engines if e.state == "starting" and e.failures_in_a_row]
-        self.values.set("state", engine_state_words(restarting[0]) if restarting else state_title(snapshot))
+        tuning = snapshot.tuning is not None and snapshot.tuning.state == "running" and not snapshot.paused
+        title = "Tuning" if tuning else state_title(snapshot)
+        self.values.set("state", engine_state_words(restarting[0]) if restarting else title)
         style = pill_style(STATE_COLOURS[tray_state(snapshot)])
         if self.state_pill.styleSheet() != style:  # re-polishing is costly: only on a change
             self.state_pill.setStyleSheet(style)

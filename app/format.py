@@ -39,7 +39,8 @@ PHASE_STEPS = ("provisioning", "launching", "loading", "compiling", "capturing",
 
 
 def tray_state(snapshot: NodeSnapshot) -> TrayState:
-    """The six states a person tells apart at a glance (a pause wins over what engines do)."""
+    """The six states a person tells apart at a glance (a pause wins over what engines do; a
+    running tuning is on its way back to serving, never idle)."""
     if snapshot.paused:
         return "paused"
     mapping: dict[str, TrayState] = {

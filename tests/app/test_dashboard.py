@@ -93,6 +93,7 @@ TUNED = Tuned(args=("--max-num-seqs", "64"), gain_pct=41.6, noise_pct=1.2,
 def test_tuning_shows_its_trial_then_the_chosen_settings_in_words_and_the_gain(dashboard, node, bridge, qtbot):
     running = TuningSnapshot(state="running", trial=4, trials_max=12, best_gain_pct=6.1)
     show(node, qtbot, bridge, replace(snapshots.serving(), engines=(), state="configured", tuning=running))
+    assert dashboard.text("state") == "Tuning"
     assert dashboard.text("tuning") == ("Tuning… (trial 4 of 12): trying other settings to serve faster on this "
                                         "computer; best so far 6% faster. Requests go to other computers meanwhile.")
     serving = snapshots.serving()

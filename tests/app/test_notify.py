@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from app.notify import MESSAGE_LIMIT, Notification, Notifier, new_notices, short_sentence
 from tests.app import snapshots
-from worker.contract.events import NodeSnapshot, Problem
+from worker.contract.events import NodeSnapshot, Problem, TuningSnapshot
 
 TRACEBACK = (
     "Traceback (most recent call last):\n  File \"/opt/vllm/engine.py\", line 812, in load\n"
@@ -71,6 +71,12 @@ def test_a_restart_that_recovers_is_not_news():
     assert [n.title for n in told(snapshots.serving(), restarting(1), restarting(2), snapshots.serving())] == [
         "Serving"
     ]
+
+
+def test_serving_again_after_a_tuning_is_not_news():
+    tuning = replace(snapshots.idle(), state="configured", model=snapshots.MODEL,
+                     tuning=TuningSnapshot(state="running", trial=2, trials_max=12))
+    assert [n.title for n in told(snapshots.serving(), tuning, snapshots.serving())] == ["Serving"]
 
 
 def test_a_long_message_becomes_one_short_sentence():
