@@ -6,6 +6,7 @@ trials the relay answers with 503 `tuning`; the engine comes back with what it a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -277,3 +278,29 @@ async def test_idle_tunes_after_ten_minutes_without_a_request(
         later[0] = tuning.IDLE_S + 1.0
         await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
         await run.coordinator.wait_for("tune.report", after=mark, timeout=SEARCH_S)
+
+
+async def test_an_unassign_during_a_search_ends_it_and_starts_nothing_again(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="worker.serve.supervisor")
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, on_request(3)),
+                            tuner_settings=QUICK) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        mark = run.mark()
+        await run.coordinator.tune("t-1")
+        await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
+        mark = run.mark()
+        await run.coordinator.send(protocol.Unassign(assignment_id="t-1"))
+        idle = await run.status("idle", after=mark, timeout=15.0)
+        assert idle.engines == [] and idle.tuning is None
+        report = await run.coordinator.wait_for("tune.report", after=mark, timeout=5.0)
+        assert report.outcome == "cancelled"
+        await asyncio.sleep(1.5)
+        since = next(i for i, m in enumerate(run.coordinator.received) if m is idle)
+        assert not [m for m in run.coordinator.received[since:] if isinstance(m, protocol.Status) and m.engines]
+        stops = [r for r in caplog.records if r.getMessage().startswith("engine e0: stopped")]
+        assert len(stops) == 1  # for the search; none started again for the assignment it ended, to stop
+        assert processes_mentioning(str(tiny_gguf)) == []

@@ -332,7 +332,9 @@ class Node:
                 self._cancel_tuning(resume=False)
             self._tasks.spawn(self._locked(policy.Assigned(message)))
         elif isinstance(message, protocol.Unassign):
-            self._cancel_tuning(resume=False)
+            if self._held.assignment is not None and self._held.assignment.assignment_id == message.assignment_id:
+                self._cancel_tuning(resume=False)
+                self._tune_target = None  # a search it cuts short starts no engine for it again
             self._tasks.spawn(self._locked(policy.Unassigned(message.assignment_id)))
         elif isinstance(message, protocol.Tune):
             self._on_tune(message)
