@@ -91,7 +91,8 @@ async def test_a_tune_message_runs_a_search_while_requests_get_503_tuning_then_s
         report = await run.coordinator.wait_for("tune.report", after=mark, timeout=SEARCH_S)
         assert (report.assignment_id, report.engine_id) == ("t-1", "e0")
         assert report.outcome in ("adopted", "kept_baseline") and report.elapsed_s > 0
-        assert report.baseline is not None and report.baseline.args == ["--ctx-size", "2048", "--threads", "1", "-np", "1"]
+        assert report.baseline is not None
+        assert report.baseline.args == ["--ctx-size", "2048", "--threads", "1", "-np", "1"]
         assert [lv.concurrency for lv in report.baseline.levels] == [1]  # one slot holds one request at a time
         assert len(report.trials) == 1 and report.trials[0].args[:2] == ["-np", "2"]
         done = await run.coordinator.wait_for(
@@ -101,8 +102,7 @@ async def test_a_tune_message_runs_a_search_while_requests_get_503_tuning_then_s
             assert report.chosen is not None and report.chosen.gain_pct is not None
             assert report.trials[0].lost is None
             assert engine.tuned is not None and engine.tuned.args == report.chosen.args
-            assert engine.argv[-len(report.chosen.args) - 4:-4] == report.chosen.args or \
-                " ".join(report.chosen.args) in " ".join(engine.argv)
+            assert " ".join(report.chosen.args) in " ".join(engine.argv)
         else:
             assert report.chosen is None and report.trials[0].lost
             assert engine.tuned is None and "-np 2" not in " ".join(engine.argv)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import namedtuple
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -69,7 +69,8 @@ Battery = namedtuple("Battery", "percent secsleft power_plugged")
 
 
 @pytest.mark.parametrize(("reading", "battery"), [
-    (None, False), (Battery(80, 3600, True), False), (Battery(80, 3600, None), False), (Battery(80, 3600, False), True)])
+    (None, False), (Battery(80, 3600, True), False), (Battery(80, 3600, None), False),
+    (Battery(80, 3600, False), True)])
 def test_on_battery_reads_the_battery_psutil_sees(monkeypatch: pytest.MonkeyPatch, reading: Any, battery: bool) -> None:
     monkeypatch.setattr("psutil.sensors_battery", lambda: reading)
     assert tuning.on_battery() is battery
@@ -121,14 +122,15 @@ BASELINE = Measurement(levels=(level(1, 40.0), level(2, 52.123)), greedy=("the a
 TIER = ("-c", "4096", "-np", "1")
 
 
-def search(outcome: str, chosen: tuple[str, ...] | None = None) -> TuneReport:
+def search(outcome: Literal["adopted", "kept_baseline", "cancelled", "failed"],
+           chosen: tuple[str, ...] | None = None) -> TuneReport:
     trials = (TrialRecord((), "baseline", BASELINE.levels),
               TrialRecord(("-np", "2", "-c", "8192"), "adopted" if chosen else "lost:below_threshold",
                           (level(1, 41.0), level(2, 80.0))),
               TrialRecord(("-np", "4", "-c", "16384"), "oom_start", ()),
               TrialRecord(("-t", "2"), "lost:regressed:decode", (level(1, 20.0), level(2, 30.0))))
-    return TuneReport(outcome, BASELINE, chosen, 41.7 if chosen else None, 1.2 if chosen else None,  # type: ignore[arg-type]
-                      402.06, trials)
+    gain, noise = (41.7, 1.2) if chosen else (None, None)
+    return TuneReport(outcome, BASELINE, chosen, gain, noise, 402.06, trials)
 
 
 def test_the_report_has_each_trials_arguments_figures_and_why_it_lost() -> None:
