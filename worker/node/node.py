@@ -53,7 +53,7 @@ from worker.node import tuning
 from worker.node.tuner import TuneReport, Tuner, TunerSettings
 from worker.measure.tuned import Kept, TuneKey, TunedStore
 from worker.node.view import Pause, build_hello, build_snapshot, build_status, engine_views
-from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
+from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan, running_version
 from worker.serve.process import reap_leftovers
 from worker.provision.assignment import OFFLINE_BACKOFF, OfflineRetry, provision
 from worker.provision.errors import ProvisionError
@@ -635,7 +635,10 @@ class Node:
         target, kept = self._tune_target, self._kept
         if target is None or kept is None or engine_plan.engine != target.engine_plan.engine:
             return engine_plan
-        tuned_plan = tuning.with_tuned(engine_plan, kept.args, allow_remote_code=self.settings.allow_remote_code)
+        held = self._tune_plan
+        version = running_version(self.machine, held.engine, held.engine_model) if held and self.machine else None
+        tuned_plan = tuning.with_tuned(engine_plan, kept.args, allow_remote_code=self.settings.allow_remote_code,
+                                       version=version)
         words = self._kept_words(target)
         if tuned_plan is None or words is None:
             return engine_plan

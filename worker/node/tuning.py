@@ -100,12 +100,14 @@ def on_battery() -> bool:
     return battery is not None and battery.power_plugged is False
 
 
-def with_tuned(engine_plan: EnginePlan, tuned: Sequence[str], *, allow_remote_code: bool) -> EnginePlan | None:
+def with_tuned(engine_plan: EnginePlan, tuned: Sequence[str], *, allow_remote_code: bool,
+               version: str | None = None) -> EnginePlan | None:
     """`engine_plan` with `tuned` after its tier (the last occurrence wins), its own arguments the
-    first fallback; None where the allowlist refuses the whole (the tier then serves alone)."""
+    first fallback; None where the allowlist (for the engine `version` the plan runs) refuses the
+    whole: the tier then serves alone."""
     args = tuple(engine_plan.args) + tuple(tuned)
     problem = engine_plan.adapter.ALLOWED_ARGS.check(args, allow_remote_code=allow_remote_code,
-                                                     where="the tuned arguments")
+                                                     where="the tuned arguments", version=version)
     if problem is not None:
         log.warning("engine %s: not using its tuned arguments: %s", engine_plan.engine_id, problem)
         return None

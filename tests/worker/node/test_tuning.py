@@ -183,3 +183,14 @@ def test_a_kept_result_regressed_where_it_no_longer_beats_what_the_tier_served()
     assert not tuning.regressed(kept, 120.0)
     assert not tuning.regressed(kept, 96.5)  # within twice the spread of the tier's figure
     assert tuning.regressed(kept, 95.0)
+
+
+def test_tuned_arguments_are_checked_for_the_engine_version_the_plan_runs() -> None:
+    assign = protocol.Assign.model_validate({"type": "assign", "assignment_id": "a-1", "model": {
+        "name": "tiny", "vllm": {"source": "org/tiny", "weights_mib": 100}}})
+    accepted = plan(cpu_machine(), assign, Settings())
+    assert isinstance(accepted, Plan), accepted
+    engine_plan = accepted.engines[0]
+    newer_only = ("--disable-chunked-prefill",)  # vLLM 0.33 and later
+    assert tuning.with_tuned(engine_plan, newer_only, allow_remote_code=False, version="0.33.0") is not None
+    assert tuning.with_tuned(engine_plan, newer_only, allow_remote_code=False, version="0.32.0") is None
