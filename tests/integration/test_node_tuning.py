@@ -304,3 +304,18 @@ async def test_an_unassign_during_a_search_ends_it_and_starts_nothing_again(
         stops = [r for r in caplog.records if r.getMessage().startswith("engine e0: stopped")]
         assert len(stops) == 1  # for the search; none started again for the assignment it ended, to stop
         assert processes_mentioning(str(tiny_gguf)) == []
+
+
+async def test_an_engine_that_cannot_start_with_its_kept_arguments_serves_without_them_and_drops_them(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    assign = tuned_assign(tiny_gguf, on_request(1))
+    keep(tmp_path, assign, ("-ub", "1", "-b", "1"))  # this llama-server aborts at its first decode with them
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=assign, tuner_settings=QUICK) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        [engine] = ready.engines
+        assert "-ub 1" not in " ".join(engine.argv) and engine.tuned is None
+        assert (await run.ask(ASK)).error is None
+    assert store(tmp_path).kept(key_of(assign)) is None

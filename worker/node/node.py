@@ -153,6 +153,7 @@ class Node:
         self._tuned: dict[str, Tuned] = {}  # by engine id: what each running engine runs after its tier
         self._kept: Kept | None = None  # the result tuning kept for the target on this machine
         self._recheck: set[str] = set()  # engines started with a kept result: measured again once ready
+        self._unproven: set[str] = set()  # engines started with a kept result, not yet ready with it
         self._just_tuned = False  # the launch right after a search
         self._tuned_store: TunedStore | None = None  # opened when first needed
         self._tuner_settings = tuner_settings
@@ -520,6 +521,11 @@ class Node:
 
     def _on_engine_change(self, snap: EngineSnapshot, reason: str) -> None:
         sup = self._engines.get(snap.engine_id)
+        if snap.state == "ready":
+            self._unproven.discard(snap.engine_id)
+        elif snap.engine_id in self._unproven and (snap.failures_in_a_row or snap.state == "failed"):
+            self._unproven.discard(snap.engine_id)  # it fails to start with them: the tier alone, at once
+            self._tasks.spawn(self._untune(f"engine {snap.engine_id} failed to start with them"))
         if snap.state == "ready" and sup is not None and sup.run_id is not None:
             self._metering.start_run(snap.engine_id, sup.run_id)
             self._check_tuned(snap)
@@ -632,6 +638,7 @@ class Node:
         """`engine_plan` with the arguments tuning kept for its engine, where there are some."""
         self._tuned.pop(engine_plan.engine_id, None)
         self._recheck.discard(engine_plan.engine_id)
+        self._unproven.discard(engine_plan.engine_id)
         target, kept = self._tune_target, self._kept
         if target is None or kept is None or engine_plan.engine != target.engine_plan.engine:
             return engine_plan
@@ -643,6 +650,7 @@ class Node:
         if tuned_plan is None or words is None:
             return engine_plan
         self._tuned[engine_plan.engine_id] = words
+        self._unproven.add(engine_plan.engine_id)
         if not self._just_tuned:
             self._recheck.add(engine_plan.engine_id)
         return tuned_plan
