@@ -43,6 +43,8 @@ def tray_state(snapshot: NodeSnapshot) -> TrayState:
     running tuning is on its way back to serving, never idle)."""
     if snapshot.paused:
         return "paused"
+    if snapshot.tuning is not None and snapshot.tuning.state == "running":
+        return "starting"
     mapping: dict[str, TrayState] = {
         "ready": "serving",
         "starting": "starting",
