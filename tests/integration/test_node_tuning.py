@@ -319,3 +319,51 @@ async def test_an_engine_that_cannot_start_with_its_kept_arguments_serves_withou
         assert "-ub 1" not in " ".join(engine.argv) and engine.tuned is None
         assert (await run.ask(ASK)).error is None
     assert store(tmp_path).kept(key_of(assign)) is None
+
+
+async def test_a_reconnect_during_a_search_lets_it_finish_and_starts_the_engine_once(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="worker.serve.supervisor")
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, on_request(2)),
+                            tuner_settings=QUICK) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        mark = run.mark()
+        await run.coordinator.tune("t-1")
+        await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
+        run.coordinator.drop_node()  # the node reconnects, and the coordinator sends the assignment again
+        await run.coordinator.wait_for_connections(2, timeout=STATE_TIMEOUT_S)
+        report = await run.coordinator.wait_for("tune.report", after=mark, timeout=SEARCH_S)
+        assert report.outcome in ("adopted", "kept_baseline")
+        await run.coordinator.wait_for(lambda m: tuning_is("done")(m) and m.state == "ready", after=mark,
+                                       timeout=STATE_TIMEOUT_S)
+        await asyncio.sleep(2.0)
+        readies = [r for r in caplog.records if r.getMessage().startswith("engine e0: ready")]
+        assert len(readies) == 2  # before the search, and once after it: never planned and started anew
+        assert (await run.ask(ASK)).error is None
+
+
+async def test_a_search_a_pause_cut_short_carries_on_after_a_reconnect_planned_the_assignment_again(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    bins = {"llamacpp": str(llama_server_bin.executable)}
+    async with running_node(tmp_path, bins, fixture="no-gpu.json", assign=tuned_assign(tiny_gguf, on_request(3)),
+                            tuner_settings=QUICK) as run:
+        ready = await run.status("ready", "failed")
+        assert ready.state == "ready", ready.last_error
+        mark = run.mark()
+        await run.coordinator.tune("t-1")
+        await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
+        run.node.pause(reason="game", detail="Cyberpunk2077.exe")
+        await run.coordinator.wait_for(lambda m: tuning_is("cancelled")(m) and m.state == "paused", after=mark,
+                                       timeout=15.0)
+        run.coordinator.drop_node()  # while paused: the assignment sent again is planned again, not started
+        await run.coordinator.wait_for_connections(2, timeout=STATE_TIMEOUT_S)
+        mark = run.mark()
+        await run.status("paused", after=mark)
+        run.node.resume()  # the game ended
+        await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
+        report = await run.coordinator.wait_for("tune.report", after=mark, timeout=SEARCH_S)
+        assert report.outcome in ("adopted", "kept_baseline")

@@ -581,8 +581,11 @@ class Node:
     async def _retarget(self, engine_plans: list[EnginePlan]) -> None:
         """What the held plan asks to tune, read once per plan (a bad block: refused, shown),
         and the result kept for it on this machine."""
-        plan = self._held.plan
-        if plan is self._tune_plan or self.machine is None:
+        plan, before = self._held.plan, self._tune_plan
+        if plan is before or self.machine is None:
+            return
+        if plan is not None and before is not None and tuning.same_assignment(plan, before):
+            self._tune_plan = plan  # planned again (a reconnect): the same tuning, its state kept
             return
         self._tune_plan, self._tune_target, self._tune_pending, self._kept = plan, None, None, None
         features = self._welcome.features if self._welcome else []

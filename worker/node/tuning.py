@@ -80,6 +80,13 @@ def key(machine: Machine, plan: Plan, engine_plan: EnginePlan) -> TuneKey:
                    baseline=tuple(engine_plan.args))
 
 
+def same_assignment(plan: Plan, before: Plan) -> bool:
+    """`plan` is `before` planned again (the same assignment, engine block and engines): its
+    tuning, kept result and what is due stay."""
+    return (plan.assignment_id, plan.engine, plan.engine_model, plan.engines) == (
+        before.assignment_id, before.engine, before.engine_model, before.engines)
+
+
 def blocked(*, paused: bool, in_serve_hours: bool, battery: bool) -> str | None:
     """Why the node may not tune now, in words for the log; None: it may."""
     if paused:

@@ -194,3 +194,8 @@ def test_tuned_arguments_are_checked_for_the_engine_version_the_plan_runs() -> N
     newer_only = ("--disable-chunked-prefill",)  # vLLM 0.33 and later
     assert tuning.with_tuned(engine_plan, newer_only, allow_remote_code=False, version="0.33.0") is not None
     assert tuning.with_tuned(engine_plan, newer_only, allow_remote_code=False, version="0.32.0") is None
+
+
+def test_a_plan_made_again_for_the_same_assignment_is_the_same_tuning() -> None:
+    assert tuning.same_assignment(planned(GOOD), planned(GOOD))
+    assert not tuning.same_assignment(planned({**GOOD, "budget": {"max_trials": 7}}), planned(GOOD))
