@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,16 @@ def platform_assertion() -> PowerAssertion | None:
         return MacSleepAssertion(ctypes.CDLL("/System/Library/Frameworks/IOKit.framework/IOKit"),
                                  ctypes.CDLL("/System/Library/Frameworks/CoreFoundation.framework/CoreFoundation"))
     if sys.platform.startswith("linux"):
-        return LogindInhibitor()
+        return LogindInhibitor() if system_bus_exists() else None
     return None
+
+
+def system_bus_exists(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether there is a system D-Bus to ask logind on: a container or a server has none, and
+    then there is no sleep to keep away (nothing to warn about either)."""
+    address = environ.get("DBUS_SYSTEM_BUS_ADDRESS", "unix:path=/var/run/dbus/system_bus_socket")
+    paths = [part.removeprefix("unix:path=") for part in address.split(";") if part.startswith("unix:path=")]
+    return not paths or any(os.path.exists(path) for path in paths)
 
 
 class WindowsExecutionState:

@@ -156,7 +156,11 @@ def test_keep_awake_takes_and_gives_back_only_on_a_change() -> None:
     KeepAwake(None).want(True)  # a platform without one: nothing to do
 
 
-def test_each_platform_gets_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_platform_gets_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    bus = tmp_path / "system_bus_socket"
+    monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", f"unix:path={bus}")
+    assert keepawake.platform_assertion() is None  # a container or server: no system bus, nothing to warn about
+    bus.touch()
     assert isinstance(keepawake.platform_assertion(), LogindInhibitor)
     opened: list[str] = []
     monkeypatch.setattr(keepawake.sys, "platform", "darwin")
