@@ -21,7 +21,8 @@ from tests.standin.performance import Performance, PromptClass, accepted_per_pos
 SPEC_LINE = ("SpecDecoding metrics: Mean acceptance length: {mean:.2f}, Accepted throughput: {acc_tps:.2f} tokens/s, "
              "Drafted throughput: {drafted_tps:.2f} tokens/s, Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
              "Per-position acceptance rate: {positions}, Avg Draft acceptance rate: {rate:.1f}%")
-# `vllm/v1/spec_decode/dspark.py` `_DSparkForwardCUDAGraph.__call__` (logger.warning with exc_info)
+# `vllm/v1/spec_decode/dspark.py` `_DSparkForwardCUDAGraph.__call__` (logger.warning with exc_info), in
+# vLLM's main branch (commit 26a86f5); the 0.32 CPU build has no DSpark wrapper
 DSPARK_GRAPH_OFF = "Disabling DSpark draft forward CUDA graph after capture failure"
 DSPARK_TRACE = (
     "Traceback (most recent call last):",
