@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import statistics
 import time
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ import httpx
 
 RUN_S = 3.0  # a run of a level lasts at least this long (each worker's request then ends it)
 MIN_REQUESTS_PER_WORKER = 2
+log = logging.getLogger(__name__)
+
 REQUEST_TIMEOUT_S = 120.0
 LONG_PREFILL_LEVELS = frozenset({1, 2})
 CHARS_PER_TOKEN = 2  # a conservative count of a prompt's tokens by its characters
@@ -60,9 +63,10 @@ class PromptSet:
 class LevelFigures:
     concurrency: int
     aggregate_tok_s: float
-    per_request_tok_s: float
+    per_request_tok_s: float  # decode: tokens after the first ÷ the time after the first (median)
     ttft_p90_ms: float
     failed: int
+    answer_tok_s: float = 0.0  # as a request sees it: its tokens ÷ the time since it was sent (median)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class _Done:
     ttft_s: float | None
     decode_tok_s: float | None
     ok: bool
+    answer_tok_s: float | None = None
 
 
 def shipped_prompts() -> PromptSet:
@@ -137,7 +142,11 @@ def kv_slots(kv_tokens: int | None, prompts: PromptSet) -> int | None:
 
 
 def client(endpoint: Endpoint) -> httpx.AsyncClient:
-    transport = httpx.AsyncHTTPTransport(uds=endpoint.unix_socket) if endpoint.unix_socket else None
+    """A fresh connection per request: an engine closes kept-alive connections on its own terms
+    (llama-server's HTTP library after a few requests or seconds), and a request written onto one
+    it is closing fails for nothing the configuration did."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    transport = httpx.AsyncHTTPTransport(uds=endpoint.unix_socket, limits=limits)
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
     return httpx.AsyncClient(base_url=endpoint.base_url, headers=headers, transport=transport, trust_env=False,
                              timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0))
@@ -161,7 +170,8 @@ async def _level(http: httpx.AsyncClient, endpoint: Endpoint, n: int, repeats: i
     runs = [await _run(http, endpoint, n, prompts, beside, run_s) for _ in range(max(repeats, 1))]
     return LevelFigures(n, statistics.median(r.aggregate_tok_s for r in runs),
                         statistics.median(r.per_request_tok_s for r in runs),
-                        statistics.median(r.ttft_p90_ms for r in runs), max(r.failed for r in runs))
+                        statistics.median(r.ttft_p90_ms for r in runs), max(r.failed for r in runs),
+                        statistics.median(r.answer_tok_s for r in runs))
 
 
 async def _run(http: httpx.AsyncClient, endpoint: Endpoint, n: int, prompts: PromptSet, beside: bool,
@@ -189,9 +199,11 @@ def figures(n: int, done: Sequence[_Done], elapsed_s: float) -> LevelFigures:
     ok = [d for d in done if d.ok]
     ttfts = sorted(d.ttft_s for d in ok if d.ttft_s is not None)
     decode = [d.decode_tok_s for d in ok if d.decode_tok_s is not None]
+    answer = [d.answer_tok_s for d in ok if d.answer_tok_s is not None]
     p90 = ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] * 1000 if ttfts else 0.0
     return LevelFigures(n, sum(d.tokens for d in ok) / elapsed_s if elapsed_s > 0 else 0.0,
-                        statistics.median(decode) if decode else 0.0, p90, len(done) - len(ok))
+                        statistics.median(decode) if decode else 0.0, p90, len(done) - len(ok),
+                        statistics.median(answer) if answer else 0.0)
 
 
 async def _one(http: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt) -> _Done:
@@ -204,6 +216,7 @@ async def _one(http: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt) -> _
         async with http.stream("POST", "/v1/chat/completions",
                                json={"model": endpoint.model, **prompt.body(stream=True)}) as response:
             if response.status_code != 200:
+                log.info("load: a request got HTTP %d: %s", response.status_code, (await response.aread())[:200])
                 return _Done(0, None, None, False)
             async for line in response.aiter_lines():
                 event = _event(line)
@@ -214,11 +227,13 @@ async def _one(http: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt) -> _
                     last = time.monotonic()
                     first = first or last
                     chunks += 1
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError) as exc:
+        log.info("load: a request failed: %r", exc)
         return _Done(0, None, None, False)
     tokens = int(usage["completion_tokens"]) if isinstance(usage, dict) and "completion_tokens" in usage else chunks
     decode = (tokens - 1) / (last - first) if first is not None and tokens > 1 and last > first else None
-    return _Done(tokens, None if first is None else first - started, decode, True)
+    answer = tokens / (last - started) if first is not None and last > started else None
+    return _Done(tokens, None if first is None else first - started, decode, True, answer)
 
 
 def _event(line: str) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""`gpu-provider`'s core commands: `detect`, `plan`, `run --headless` and `status`.
+"""`gpu-provider`'s core commands: `detect`, `plan`, `run --headless`, `status` and `tune`.
 
 Without a command (or `run` without --headless) `gpu-provider` opens the desktop app. The core
 never imports the GUI, so that choice is the launcher's (`app/launch.py`): it asks
@@ -89,6 +89,24 @@ def build_parser() -> CommandLine:
     )
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     status.set_defaults(handler=run_status)
+
+    tune = commands.add_parser(
+        "tune", parents=[data_dir], help="find this machine's fastest safe engine arguments for a model",
+        description="Measure the engine with the baseline arguments, then with candidates, on this machine "
+        "with no coordinator, and print what it would adopt: the tune.report with each trial's arguments, "
+        "result and figures. Nothing else may run on the data folder meanwhile.",
+    )
+    tune.add_argument("--model", metavar="SOURCE", required=True, help="a GGUF path or https URL#sha256=HASH, "
+                      "a model folder or a Hugging Face repository")
+    tune.add_argument("--engine", metavar="NAME", help="the engine to tune (default: the first that runs the model here)")
+    tune.add_argument("--base-args", metavar="ARGS", help="the baseline to beat, as one string (default: the "
+                      "engine's local defaults and tier)")
+    tune.add_argument("--minutes", type=float, default=15.0, help="the time budget (default 15)")
+    tune.add_argument("--trials", type=int, default=12, help="the most candidates tried (default 12)")
+    tune.add_argument("--engine-bin", metavar="NAME=PATH", action="append", default=[],
+                      help="an engine executable, NAME=PATH; repeatable")
+    tune.add_argument("--json", action="store_true", help="print the report as JSON")
+    tune.set_defaults(handler=run_tune)
     parser.command_names = frozenset(commands.choices)
     return parser
 
@@ -274,6 +292,23 @@ def run_status(args: argparse.Namespace, settings: Settings) -> int:
         return 1
     print(json.dumps(found) if args.json else status_table(found))
     return 0
+
+
+def run_tune(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncio
+
+    from worker.contract.protocol import TuneRefused
+    from worker.node.tune_command import TuneInputError, tune_here
+    from worker.system.config import DataFolderUnsafe
+    from worker.system.datalock import DataFolderInUse
+
+    try:
+        engine_bins = parse_engine_bins(args.engine_bin)
+        return asyncio.run(tune_here(Paths.resolve(getattr(args, "data_dir", None)), settings, args.model,
+                                     engine=args.engine, base_args=args.base_args, minutes=args.minutes,
+                                     trials=args.trials, engine_bins=engine_bins, as_json=args.json))
+    except (InputError, TuneInputError, TuneRefused, DataFolderInUse, DataFolderUnsafe) as exc:
+        return _print_error(str(exc))
 
 
 def _load(path: str, what: str, reader: Callable[[str], T]) -> T:
