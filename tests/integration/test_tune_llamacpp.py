@@ -7,8 +7,11 @@ baseline; a candidate that changes the greedy text is rejected by the gate."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support.engines import LlamaServer, free_port
@@ -118,3 +121,40 @@ async def test_the_gate_rejects_a_candidate_that_changes_the_text(llama_server_b
     assert slots.greedy == baseline.greedy and traps == () and gates.same_answers(baseline, slots)
     assert penalised.greedy != baseline.greedy
     assert gates.check(baseline, penalised, None, ()) == "gate"
+
+
+async def test_cancel_ends_the_trial_at_once_and_the_next_tuning_resumes(llama_server_bin: LlamaServer, tiny_gguf: Path,
+                                                                         tmp_path: Path) -> None:
+    """A game or a pause cancels: the running trial's engine stops at once, what finished is in
+    the journal, and the next tuning takes those trials from it instead of measuring them again."""
+    paths = Paths.under(tmp_path).ensure()
+    args = ("-np", "1", "-c", "2048", "-t", "1")
+    store, key = TunedStore(paths.data_dir), TuneKey("this-pc", "tiny", "llamacpp", "test", args)
+    cancelled_at: list[float] = []
+
+    def make(progress: Callable[[int, int], None]) -> Tuner:
+        return Tuner(plan(llama_server_bin, tiny_gguf, args), spec({"-np": {"min": 1, "max": 8}}, 3), machine(),
+                     paths=paths, store=store, key=key, progress=progress,
+                     prompts=read_prompts(FIXTURES / "prompts-bytes.json"),
+                     settings=TunerSettings(repeats=1, pairs=2, blocks=1, run_s=0.5), timing=TIMING,
+                     base_env=llama_server_bin.environment())
+
+    def cancel_at_second(trial: int, most: int) -> None:
+        if trial == 2 and not cancelled_at:
+            cancelled_at.append(time.monotonic())
+            first.cancel()
+
+    first = make(cancel_at_second)
+    report = await first.run()
+    assert report.outcome == "cancelled" and time.monotonic() - cancelled_at[0] < 10
+    assert [t.args for t in report.trials] == [(), ("-np", "2", "-c", "4096")]
+    assert not [p for p in psutil.Process().children(recursive=True) if p.name() == "llama-server"]
+    journal = store.journal(key)
+    assert [t.args for t in journal] == [("-np", "2", "-c", "4096")]
+
+    seen: list[int] = []
+    report = await make(lambda trial, most: seen.append(trial)).run()
+    assert report.outcome in ("adopted", "kept_baseline") and seen[:3] == [1, 2, 3]
+    resumed = next(t for t in report.trials if t.args == ("-np", "2", "-c", "4096"))
+    assert resumed.levels == journal[0].levels  # taken from the journal, not measured again
+    assert store.journal(key) == []
