@@ -89,7 +89,7 @@ class Stepper:
                 if seq.prompt_left and budget > 0:
                     chunks.append((seq, min(seq.prompt_left, budget)))
                     budget -= chunks[-1][1]
-            if len(decoding) >= 2 and self.drafter_graph and self.perf.drafter_graph_breaks(len(decoding)):
+            if self.drafter_graph and self.perf.drafter_graph_breaks(len(decoding)):
                 self._drafter_graph_fails()
             await self._pace(self.perf.step_seconds(len(decoding), sum(n for _, n in chunks), self.drafter_graph))
             for seq in decoding:
