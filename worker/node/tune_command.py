@@ -19,9 +19,11 @@ from worker.contract import protocol
 from worker.contract.events import DownloadProgress
 from worker.engines import registry
 from worker.engines.finding import Finder
-from worker.hardware import detect
+from worker.hardware import PynvmlSource, detect
+from worker.hardware.nvml import find_wsl_nvml_library
 from worker.hardware.model import Machine
 from worker.link.local.sizing import LocalModelError, local_assignment
+from worker.measure.gpu_watch import GpuWatch
 from worker.measure.tuned import TunedStore, TuneKey, machine_key
 from worker.node.tuner import TuneReport, Tuner
 from worker.node.tuning import report_message
@@ -75,7 +77,7 @@ async def tune_here(paths: Paths, settings: Settings, model: str, *, engine: str
             engine_plans = await provision(planned, machine, paths, settings, _progress, engine_bins=engine_bins)
         except ProvisionError as exc:
             raise TuneInputError(str(exc)) from None
-        report = await _tune(planned, engine_plans[0], spec, machine, paths)
+        report = await _tune(planned, engine_plans[0], spec, machine, paths, settings)
     finally:
         lock.release()
     print(json.dumps(report) if as_json else _table(report))
@@ -83,12 +85,18 @@ async def tune_here(paths: Paths, settings: Settings, model: str, *, engine: str
 
 
 async def _tune(planned: Plan, engine_plan: EnginePlan, spec: protocol.TuneSpec, machine: Machine,
-                paths: Paths) -> dict[str, Any]:
+                paths: Paths, settings: Settings) -> dict[str, Any]:
     installed = machine.engines.get(planned.engine)
     key = TuneKey(machine_key(machine), planned.engine_model.source, planned.engine,
                   (installed.version if installed else None) or "", tuple(engine_plan.args))
+    gpus = GpuWatch(PynvmlSource(library=find_wsl_nvml_library() if machine.runtime == "wsl2" else None)
+                    if machine.gpus else None)
+
+    async def share(ep: EnginePlan) -> float | None:
+        return await gpus.memory_share(machine, ep, settings)
     tuner = Tuner(engine_plan, spec, machine, paths=paths, store=TunedStore(paths.data_dir), key=key,
-                  progress=lambda trial, most: print(f"trial {trial} of {most}", file=sys.stderr, flush=True))
+                  progress=lambda trial, most: print(f"trial {trial} of {most}", file=sys.stderr, flush=True),
+                  gpu_released=gpus.released if gpus.nvml is not None else None, remeasure=share)
     return shown(planned.assignment_id, engine_plan.engine_id, engine_plan.args, await tuner.run())
 
 

@@ -37,7 +37,8 @@ from worker.measure.tuned import Kept, TrialRecord, TunedStore, TuneKey
 from worker.plan.planner import EnginePlan
 from worker.plan.tuning import OomFrontier, Space, build_space, candidates
 from worker.serve.restart_policy import SupervisorTiming
-from worker.serve.supervisor import EngineSupervisor
+from worker.serve.process import GpuReleased
+from worker.serve.supervisor import EngineSupervisor, Remeasure
 from worker.system.config import Paths
 from worker.system.ports import free_first_port
 
@@ -90,9 +91,11 @@ class Tuner:
                  progress: Callable[[int, int], None] = lambda trial, trials_max: None,
                  prompts: PromptSet | None = None, settings: TunerSettings = TunerSettings(),
                  timing: SupervisorTiming | None = None, base_env: Mapping[str, str] | None = None,
+                 gpu_released: GpuReleased | None = None, remeasure: Remeasure | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`base_env`: the environment trial engines start from (None: this process's), as the
-        supervisor takes it."""
+        """`base_env`, `gpu_released` and `remeasure` go to each trial's supervisor as the engine
+        set gives them (the environment engines start from; whether the cards' memory is free
+        after a stop, so the next trial never meets the last one's memory; vLLM's fresh share)."""
         self._plan = plan
         self._spec = spec or protocol.TuneSpec()
         self._machine = machine
@@ -104,6 +107,8 @@ class Tuner:
         self._settings = settings
         self._timing = timing or dataclasses.replace(SupervisorTiming(), ready_timeout_s=settings.ready_timeout_s)
         self._base_env = base_env
+        self._gpu_released = gpu_released
+        self._remeasure = remeasure
         self._clock = clock
         self._task: asyncio.Task[TuneReport] | None = None
         self._trial: EngineSupervisor | None = None
@@ -149,6 +154,7 @@ class Tuner:
                                    port=free_first_port(self._plan.port, 1))
         changed = asyncio.Event()
         sup = EngineSupervisor(plan, paths=self._paths, timing=self._timing, base_env=self._base_env,
+                               gpu_released=self._gpu_released, remeasure=self._remeasure,
                                on_event=lambda snap, reason: changed.set())
         self._trial = sup
         try:
