@@ -47,7 +47,26 @@ def build_space(engine: str, tune: protocol.TuneSpec | None, baseline: Sequence[
         knobs = tuple(_narrowed(adapter, key, entry) for key, entry in tune.space.items())
         applying = tuple(knob for knob in knobs if _applies(knob, present))
     asked = tuple(_checked_seed(adapter, seed) for seed in (tune.seeds if tune is not None else ()))
-    return Space(knobs=applying, seeds=asked + adapter.TUNING.seeds, engine=engine)
+    own = adapter.TUNING.seeds
+    if tune is not None and tune.space:  # the field notes' recipes too stay inside what the coordinator narrowed
+        own = tuple(seed for seed in own if _inside(argument_values(seed, adapter.ALLOWED_ARGS), applying))
+    return Space(knobs=applying, seeds=asked + own, engine=engine)
+
+
+def _inside(values: Mapping[str, str], knobs: Sequence[Knob]) -> bool:
+    """Every flag a seed sets is one of `knobs`, at a value the knob allows."""
+    by_flag = {knob.flag: knob for knob in knobs}
+    for flag, value in values.items():
+        knob = by_flag.get(flag)
+        if knob is None:
+            return False
+        if knob.kind == "int" and knob.low is not None and knob.high is not None:
+            number = whole_number(value)
+            if number is None or not knob.low <= number <= knob.high:
+                return False
+        elif knob.kind != "int" and value not in knob.choices:
+            return False
+    return True
 
 
 def _applies(knob: Knob, present: Mapping[str, str]) -> bool:

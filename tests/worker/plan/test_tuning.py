@@ -177,3 +177,21 @@ def test_setting_an_argument_drops_its_every_earlier_spelling() -> None:
                                               ("auto", None), ("-1", None), ("1.5k", None)])
 def test_whole_numbers_read_as_the_engines_read_them(text: str, number: int | None) -> None:
     assert whole_number(text) == number
+
+
+def test_a_narrowed_space_keeps_only_the_engines_own_seeds_inside_it() -> None:
+    """The coordinator narrowed the search to the token budget: the field notes' recipe (graphs on
+    and 128 sequences) is outside it and is not tried; without a space it is."""
+    narrowed = build_space(VLLM, spec(space={"--max-num-batched-tokens": {"values": [2048, 4096]}}),
+                           ("--enforce-eager",), GPU)
+    assert narrowed.seeds == ()
+    assert all(set(argument_values(c, narrowed_allowlist()).keys()) <= {"--max-num-batched-tokens"}
+               for c in draw(VLLM, ("--enforce-eager",), GPU,
+                             spec(space={"--max-num-batched-tokens": {"values": [2048, 4096]}})))
+    assert build_space(VLLM, None, ("--enforce-eager",), GPU).seeds  # unnarrowed: the recipes apply
+
+
+def narrowed_allowlist():  # vLLM's, as the engine parses its arguments
+    from worker.engines.vllm.args import ALLOWLIST
+
+    return ALLOWLIST
