@@ -158,3 +158,16 @@ async def test_cancel_ends_the_trial_at_once_and_the_next_tuning_resumes(llama_s
     resumed = next(t for t in report.trials if t.args == ("-np", "2", "-c", "4096"))
     assert resumed.levels == journal[0].levels  # taken from the journal, not measured again
     assert store.journal(key) == []
+
+
+async def test_a_baseline_that_fails_requests_fails_the_tuning(llama_server_bin: LlamaServer, tiny_gguf: Path,
+                                                                tmp_path: Path) -> None:
+    """The shipped long prompt does not fit 1,024 tokens of a byte-level model's context: every
+    candidate would lose with `failed` against a baseline that fails too, so none is tried."""
+    args = ("-np", "1", "-c", "1024", "-t", "1")
+    tuner = Tuner(plan(llama_server_bin, tiny_gguf, args), spec({"-np": {"min": 1, "max": 8}}, 3), machine(),
+                  paths=Paths.under(tmp_path).ensure(), settings=TunerSettings(repeats=1, run_s=0.3),
+                  timing=TIMING, base_env=llama_server_bin.environment())
+    report = await tuner.run()
+    assert report.outcome == "failed" and [t.result for t in report.trials] == ["baseline"]
+    assert any(level.failed for level in report.baseline.levels)

@@ -250,6 +250,10 @@ class _Search:
             self.baseline = dataclasses.replace(self.baseline, levels=tuple(
                 level for level in self.baseline.levels if level.concurrency in self.ladder))
             self.trials.append(TrialRecord((), "baseline", self.baseline.levels))
+            if failed := sum(level.failed for level in self.baseline.levels):
+                log.warning("tuning: the baseline failed %d requests (a prompt longer than its context?): "
+                            "nothing to compare candidates with", failed)
+                return self._report("failed")
             await self._screen(journal)
             return await self._adopt()
         except asyncio.CancelledError:
