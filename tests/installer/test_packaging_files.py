@@ -153,3 +153,21 @@ def test_shell_scripts_parse_and_are_executable(script: str) -> None:
         check=False,
     )
     assert checked.returncode == 0, checked.stderr
+
+
+def test_every_data_file_of_the_core_ships_in_both_builds() -> None:
+    """A file the core reads beside its modules (the network, the tuning prompts) is in the wheel's
+    package data and in the frozen build's `datas`; one left out works from a checkout only."""
+    import tomllib
+
+    data = sorted(path.relative_to(REPO).as_posix() for path in (REPO / "worker").rglob("*")
+                  if path.is_file() and path.suffix not in {".py", ".pyc"} and "__pycache__" not in path.parts)
+    assert data  # the network file at least
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    spec = (REPO / "build.spec").read_text()
+    for name in data:
+        folder, file = name.rsplit("/", 1)
+        package = ".".join(Path(folder).parts[:2])
+        inside = Path(name).relative_to(Path(*Path(folder).parts[:2]))  # as package data names it
+        assert any(inside.match(pattern) for pattern in package_data.get(package, [])), name
+        assert f'"{file}"' in spec and f'"{folder}"' in spec, name
