@@ -122,6 +122,38 @@ def prompt_set(data: dict[str, Any]) -> PromptSet:
                      prompt(data["long_prefill"]))
 
 
+TEMPLATE_TOKENS = 64  # what a chat template adds around the messages, at most, for the models served
+
+
+def fitting(prompts: PromptSet, context: int | None) -> PromptSet:
+    """The prompt set cut to what one request may hold (`context`, tokens; None: unknown, all kept).
+
+    A prompt's bytes bound its tokens (a byte-level tokenizer's worst case; real ones give fewer),
+    so one that could overflow is left out rather than failing every measurement; the long prefill
+    is shortened to fit instead, so it still runs beside the decode it is there to disturb."""
+    if context is None:
+        return prompts
+
+    def fits(prompt: Prompt) -> bool:
+        return _bytes(prompt) + prompt.max_tokens + TEMPLATE_TOKENS <= context
+
+    load = tuple(p for p in prompts.load if fits(p)) or (min(prompts.load, key=_bytes),)
+    return PromptSet(load, tuple(p for p in prompts.probes if fits(p)), _shortened(prompts.long_prefill, context))
+
+
+def _bytes(prompt: Prompt) -> int:
+    return sum(len(content.encode()) for _, content in prompt.messages)
+
+
+def _shortened(prompt: Prompt, context: int) -> Prompt:
+    over = _bytes(prompt) + prompt.max_tokens + TEMPLATE_TOKENS - context
+    if over <= 0 or not prompt.messages:
+        return prompt
+    role, content = prompt.messages[-1]
+    kept = content.encode()[: max(0, len(content.encode()) - over)].decode("utf-8", "ignore")
+    return Prompt(prompt.cls, (*prompt.messages[:-1], (role, kept)), prompt.max_tokens)
+
+
 def ladder(ladder_max: int, kv_slots: int | None = None) -> tuple[int, ...]:
     """1, 2, 4, … up to `ladder_max` and to the concurrency the engine's KV holds (`kv_slots`)."""
     top = min(ladder_max, kv_slots) if kv_slots else ladder_max

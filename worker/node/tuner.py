@@ -31,7 +31,7 @@ from worker.contract import protocol
 from worker.contract.events import EngineSnapshot
 from worker.hardware.model import Machine
 from worker.measure import adoption, gates
-from worker.measure.load import (Endpoint, LevelFigures, Measurement, PromptSet, kv_slots, ladder, measure,
+from worker.measure.load import (Endpoint, LevelFigures, Measurement, PromptSet, fitting, kv_slots, ladder, measure,
                                  shipped_prompts)
 from worker.measure.tuned import Kept, TrialRecord, TunedStore, TuneKey
 from worker.plan.planner import EnginePlan
@@ -164,7 +164,8 @@ class Tuner:
             assert target is not None
             endpoint = Endpoint(target.base_url, target.api_key, target.served_model_name, target.socket_path)
             warmup = self._settings.warmup if self._settings.warmup is not None else len(self._prompts.load)
-            prompts = self._prompts if greedy else dataclasses.replace(self._prompts, probes=())
+            prompts = fitting(self._prompts, snap.context.servable)  # a prompt past the context fails, whatever the arguments
+            prompts = prompts if greedy else dataclasses.replace(prompts, probes=())
             figures = await measure(endpoint, levels, repeats=repeats, warmup=warmup, prompts=prompts,
                                     long_prefill_beside=beside, run_s=self._settings.run_s)
             figures = dataclasses.replace(figures, kv_tokens=sup.snapshot().kv_cache_tokens)

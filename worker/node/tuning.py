@@ -29,7 +29,7 @@ from worker.contract import protocol
 from worker.contract.events import EngineSnapshot, Tuned, TuningSnapshot, TuningState
 from worker.hardware import Machine
 from worker.node.view import tuned_words
-from worker.measure.load import Endpoint, LevelFigures, ladder, measure, shipped_prompts
+from worker.measure.load import Endpoint, LevelFigures, fitting, ladder, measure, shipped_prompts
 from worker.measure.tuned import Kept, TuneKey, machine_key
 from worker.plan.planner import EnginePlan, Plan, running_version
 from worker.plan.tuning import build_space
@@ -129,7 +129,7 @@ async def measure_peak(engine: EngineTarget, spec: protocol.TuneSpec, snap: Engi
     ladder_max = (spec.objective or protocol.TuneObjective()).ladder_max
     slots = int(snap.max_concurrency) if snap and snap.max_concurrency and snap.max_concurrency >= 1 else None
     endpoint = Endpoint(engine.base_url, engine.api_key, engine.served_model_name, engine.socket_path)
-    prompts = dataclasses.replace(shipped_prompts(), probes=())
+    prompts = dataclasses.replace(fitting(shipped_prompts(), snap.context.servable if snap else None), probes=())
     figures = await measure(endpoint, ladder(ladder_max, slots), repeats=1, warmup=1, prompts=prompts,
                             long_prefill_beside=False, run_s=run_s)
     return figures.peak_tok_s

@@ -70,3 +70,17 @@ def test_the_shipped_set_has_every_class_and_short_answers() -> None:
     prompts = shipped_prompts()
     assert {p.cls for p in prompts.load} == {"chat", "long", "shared_prefix", "tool_call"}
     assert prompts.probes and all(p.max_tokens <= 64 for p in (*prompts.load, *prompts.probes))
+
+
+def test_the_prompt_set_is_cut_to_what_one_request_may_hold() -> None:
+    """A 2,048-token engine cannot take the shipped long prompt: it is left out (every request with
+    it would fail, whatever the arguments), the long prefill is shortened to fit, the rest kept."""
+    from worker.measure.load import TEMPLATE_TOKENS, fitting, shipped_prompts
+
+    shipped = shipped_prompts()
+    cut = fitting(shipped, 2048)
+    size = lambda p: sum(len(c.encode()) for _, c in p.messages)  # noqa: E731
+    assert all(size(p) + p.max_tokens + TEMPLATE_TOKENS <= 2048 for p in (*cut.load, *cut.probes, cut.long_prefill))
+    assert {p.cls for p in cut.load} == {p.cls for p in shipped.load} - {"long"}
+    assert size(cut.long_prefill) > 1500  # still a long prefill
+    assert fitting(shipped, None) == shipped and fitting(shipped, 1_000_000) == shipped
