@@ -6,6 +6,8 @@ baseline; a candidate that changes the greedy text is rejected by the gate."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from collections.abc import Callable
@@ -19,7 +21,7 @@ from tests.support.tune_gguf import write_tune_gguf
 from worker.contract import protocol
 from worker.hardware.model import Machine
 from worker.measure import gates
-from worker.measure.load import read_prompts
+from worker.measure.load import Prompt, read_prompts
 from worker.measure.tuned import TunedStore, TuneKey
 from worker.node.tuner import TuneReport, Tuner, TunerSettings
 from worker.plan.planner import EnginePlan
@@ -162,12 +164,16 @@ async def test_cancel_ends_the_trial_at_once_and_the_next_tuning_resumes(llama_s
 
 async def test_a_baseline_that_fails_requests_fails_the_tuning(llama_server_bin: LlamaServer, tiny_gguf: Path,
                                                                 tmp_path: Path) -> None:
-    """The shipped long prompt does not fit 1,024 tokens of a byte-level model's context: every
-    candidate would lose with `failed` against a baseline that fails too, so none is tried."""
+    """A prompt set none of whose prompts fits 1,024 tokens of a byte-level model's context (the
+    set is cut to what fits, down to its shortest prompt, which still does not): every candidate
+    would lose with `failed` against a baseline that fails too, so none is tried."""
     args = ("-np", "1", "-c", "1024", "-t", "1")
+    shipped = read_prompts(FIXTURES / "prompts-bytes.json")
+    too_long = Prompt("long", (("user", "word " * 600),), 32)
+    prompts = dataclasses.replace(shipped, load=(too_long,), probes=())
     tuner = Tuner(plan(llama_server_bin, tiny_gguf, args), spec({"-np": {"min": 1, "max": 8}}, 3), machine(),
                   paths=Paths.under(tmp_path).ensure(), settings=TunerSettings(repeats=1, run_s=0.3),
-                  timing=TIMING, base_env=llama_server_bin.environment())
+                  timing=TIMING, base_env=llama_server_bin.environment(), prompts=prompts)
     report = await tuner.run()
     assert report.outcome == "failed" and [t.result for t in report.trials] == ["baseline"]
     assert any(level.failed for level in report.baseline.levels)
