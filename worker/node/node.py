@@ -271,6 +271,7 @@ class Node:
             self._draining = True
             await self._relay.drain(min(DRAIN_S, 10.0), "draining")
         await self._stop_engines()
+        await self._remember_pause()
         await self._uplink.close()
         await self._tasks.cancel_all()
         await self._stop_engines()  # any that an assign or resume cut short by the cancel had started
@@ -404,6 +405,16 @@ class Node:
         else:
             self._news.publish()
         return None
+
+    async def _remember_pause(self) -> None:
+        """A person's pause the quit cut short (it is saved once its engines stopped) still holds
+        at the next start."""
+        pause = self._held.pause
+        if not hasattr(self, "state") or pause is None or pause.reason not in ("user", "timed"):
+            return
+        if not self.state.paused or self.state.pause_until != pause.until:
+            self.state.paused, self.state.pause_until = True, pause.until
+            await self._save_state()
 
     async def _save_state(self) -> None:
         """The state written for the next start; a write that fails is logged and the node goes
