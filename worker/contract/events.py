@@ -9,16 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from worker.contract.protocol import EngineName, Layout, State
+from worker.contract.protocol import EngineName, LimitReason, Layout, RoutingReason, State
 
 NodeState = State  # one list of states: the protocol's
-PauseReason = Literal["user", "timed", "game", "schedule", "coordinator"]
+PauseReason = Literal["user", "timed", "game", "schedule", "coordinator", "battery", "too_hot", "costs"]
 ConnectionState = Literal[
     "disabled", "connecting", "connected", "offline", "signed_out", "banned", "taken_over", "update_required"
 ]
 LIVE_WINDOW_S = 10.0  # the live tok/s figure's sliding window
 StartPhase = Literal["provisioning", "launching", "loading", "compiling", "capturing", "warming", "ready"]
 TuningState = Literal["idle", "running", "done", "cancelled", "refused", "failed"]
+HeadlineKind = Literal[
+    "setup", "detecting", "stopping", "signed_out", "offline", "failed", "paused", "downloading", "tuning",
+    "starting", "degraded", "serving", "idle",
+]
+MainAction = Literal["finish_setup", "sign_in", "retry", "check_network", "free_disk", "settings", "update",
+                     "resume", "pause", "none"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,8 @@ class EarningsSnapshot:
     days: tuple[DayEarnings, ...] = ()  # the last 30 local days, oldest first, today last
     net_per_hour: float | None = None  # net over the serving hours of the last 24 h; None = none served
     electricity_price_per_kwh: float = 0.0  # 0 = not set: net equals gross, the app nudges
+    power_measured: bool = False  # this machine's power draw is measured (NVML): "net of electricity" means something
+    projected_per_day: float | None = None  # net per day at the current net rate; None = nothing to project from
 
     @property
     def net_today(self) -> float:
@@ -188,6 +196,9 @@ class EarningsSnapshot:
         return self.all_time - self.energy_cost_all_time
 
 
+DownloadHold = Literal["paused_by_you", "paused", "game", "budget", "setup"]
+
+
 @dataclass(frozen=True)
 class DownloadProgress:
     what: str  # "model qwen3.8-27b" / "engine vllm 0.33.0"
@@ -198,12 +209,48 @@ class DownloadProgress:
     finished: bool = False
     error: str | None = None
     step: str | None = None  # what an install is doing when there are no bytes to count
+    held: DownloadHold | None = None  # why it waits (no bytes move): the person's pause, the node's, a game, the budget
+    held_detail: str | None = None  # e.g. the game's name, or "until 1 January" for the monthly budget
+    kind: Literal["model", "engine"] = "model"  # what `status.download.what` says
 
     @property
     def fraction(self) -> float | None:
         if not self.total_bytes:
             return None
         return min(1.0, self.done_bytes / self.total_bytes)
+
+
+@dataclass(frozen=True)
+class RoutingNotice:
+    """The network's latest word on how much traffic it sends this node and why not more."""
+
+    share: float
+    reason: RoutingReason | None
+    message: str  # the network's own words, one plain line (shown as theirs)
+    at: float  # wall-clock seconds it arrived
+
+
+@dataclass(frozen=True)
+class LimitsSnapshot:
+    """The lender's limits as they hold now (the contract's `limits`, and the steps taken)."""
+
+    max_requests: int | None = None  # requests at once now (lowered while too hot); None = no limit
+    memory_share_pct: tuple[tuple[int, int], ...] = ()  # (GPU index, % of its memory an engine may use)
+    reason: LimitReason | None = None
+    words: str | None = None  # the step taken, in a person's words ("GPU 0 at 84 °C: serving 2 requests at once")
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The node's one state in a person's words: the same in tray, dashboard, notifications and
+    `gpu-provider status` (computed once, by `worker/node/headline.py`)."""
+
+    kind: HeadlineKind
+    title: str  # "Downloading the model · 42 %", "Paused for Cyberpunk2077.exe until 14:30"
+    detail: str = ""  # one line under it: the cause, the time left, the model
+    action: MainAction = "none"  # the main button: a failure's remedy, never Pause
+    action_label: str = ""  # "Finish setting up", "Sign in", "Try again", "Resume", "Pause serving"
+    not_earning: str | None = None  # the one live reason this node earns nothing now; None while it earns
 
 
 @dataclass(frozen=True)
@@ -245,6 +292,10 @@ class NodeSnapshot:
     last_capacity: MeasuredCapacity | None = None  # the latest run's measured capacity, kept across pauses
     game_detection: str | None = None  # where not every game can be seen: what auto-pause sees, in words
     tuning: TuningSnapshot | None = None  # None: nothing to tune (no `tune` block, or not offered)
+    setup_needed: bool = False  # the desktop app's first-run flow is not finished: nothing downloads, starts or connects
+    routing: RoutingNotice | None = None
+    limits: LimitsSnapshot = LimitsSnapshot()
+    headline: Headline = Headline("idle", "Idle")
 
     def without_clock(self) -> NodeSnapshot:
         """The snapshot with the fields that move every tick zeroed: equal ones look the same."""

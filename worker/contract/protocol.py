@@ -102,6 +102,19 @@ class HardwareInfo(_Message):
     cpu: CpuInfo
 
 
+LimitReason = Literal["too_hot", "on_battery", "costs_more_than_it_earns"]
+MAX_LIMIT_CARDS = 64  # `memory_share_pct` entries: one per card, and no machine has more
+
+
+class Limits(_Message):
+    """What the lender allows now (in `hello` and `status`), so the coordinator routes within it."""
+
+    max_requests: int | None = Field(default=None, ge=1)  # requests at once; None = no limit of the lender's
+    memory_share_pct: dict[Annotated[str, Field(pattern=r"^[0-9]{1,2}$")], Annotated[int, Field(ge=10, le=100)]] = Field(
+        default={}, max_length=MAX_LIMIT_CARDS)  # per card index: the % of its memory an engine may use
+    reason: LimitReason | None = None  # why the node takes fewer requests, or none, right now
+
+
 class Hello(_Message):
     type: Literal["hello"] = "hello"
     protocol: int = PROTOCOL_VERSION
@@ -112,6 +125,7 @@ class Hello(_Message):
     engines: dict[str, str | None]
     engine_args: dict[str, list[str]] = {}  # the flags this node accepts in assignments, per engine
     paused: bool = False
+    limits: Limits | None = None
 
 
 class Price(_Message):
@@ -466,6 +480,16 @@ class Refused(_Message):
     reason: str
 
 
+class DownloadStatus(_Message):
+    """A model or engine being fetched while the node is `configured`."""
+
+    what: Literal["model", "engine"]
+    done_mib: int = Field(ge=0)
+    total_mib: int | None = Field(default=None, ge=0)
+    mib_per_s: float | None = Field(default=None, ge=0)
+    paused: bool = False
+
+
 class Status(_Message):
     type: Literal["status"] = "status"
     state: State
@@ -478,6 +502,8 @@ class Status(_Message):
     gpus: list[GpuStatus] = []
     in_flight: int = 0
     tuning: TuningStatus | None = None
+    limits: Limits | None = None
+    download: DownloadStatus | None = None
 
 
 # --- relay -----------------------------------------------------------------------------------
@@ -548,7 +574,25 @@ class Error(_Message):
     ref: str | None = None
 
 
-CoordinatorMessage = Welcome | Assign | Unassign | Pause | Resume | Request | Cancel | Update | Error | Tune
+# --- routing notice ---------------------------------------------------------------------------
+
+RoutingReason = Literal["low_demand", "warming_up", "probation", "too_slow", "context_too_small", "capacity_full"]
+MAX_ROUTING_MESSAGE = 200  # characters: one line a person reads beside the node's own reasons
+
+
+class Routing(_Message):
+    """How much of the model's traffic the network sends this node now, and why not more. Shown to
+    the person beside the node's own reasons; the node never acts on it."""
+
+    type: Literal["routing"] = "routing"
+    share: float = Field(ge=0.0, le=1.0)
+    reason: RoutingReason | None = None
+    message: str = Field(default="", max_length=MAX_ROUTING_MESSAGE, pattern=r"^[^\x00-\x1f\x7f]*$")  # one plain line
+
+
+CoordinatorMessage = (
+    Welcome | Assign | Unassign | Pause | Resume | Request | Cancel | Update | Error | Tune | Routing
+)
 NodeMessage = Hello | Status | ResponseHead | ResponseChunk | ResponseEnd | ResponseError | Error | TuneReport
 
 BATCH_FEATURE = "batch"  # in `Welcome.features`: the coordinator unpacks `Batch` frames
@@ -570,7 +614,8 @@ _FROM_NODE: TypeAdapter[NodeMessage | Batch] = TypeAdapter(
     Annotated[NodeMessage | Batch, Field(discriminator="type")]
 )
 _COORDINATOR_TYPES = frozenset(
-    {"welcome", "assign", "unassign", "pause", "resume", "request", "cancel", "update", "error", "tune"}
+    {"welcome", "assign", "unassign", "pause", "resume", "request", "cancel", "update", "error", "tune",
+     "routing"}
 )
 _NODE_TYPES = frozenset(
     {"hello", "status", "response.head", "response.chunk", "response.end", "response.error", "error", "batch",

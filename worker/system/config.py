@@ -146,6 +146,16 @@ class Settings:
     update_feed_url: str | None = None
     auto_install_updates: bool = True
     setup_complete: bool = False  # the first-run flow was finished (or the settings predate it)
+    # The lender's limits (issue "what a person controls"): None / () = no limit.
+    memory_share_pct: tuple[tuple[int, int], ...] = ()  # (GPU index, % of its memory an engine may use: 10-100)
+    max_requests: int | None = None  # requests served at once (1-256)
+    temperature_limit_c: int | None = None  # hottest a GPU may run (50-95 °C): fewer requests, then a pause
+    pause_on_battery: bool = True
+    stop_when_unprofitable: bool = True  # pause while electricity costs more than serving earns
+    download_limit_mib_s: float | None = None  # bandwidth a download may use (0.1-10,000 MiB/s)
+    monthly_download_gib: float | None = None  # downloads per calendar month (1-100,000 GiB)
+    notify_idle_hours: float | None = 6.0  # tell the person once after this long online and earning nothing
+    notify_back_online: bool = True  # tell the person once when the node is back after being offline
 
     def validated(self) -> Settings:
         problems = []
@@ -157,9 +167,28 @@ class Settings:
             problems.append("model_cache_limit_gib must be positive")
         if self.serve_hours is not None and not all(0 <= h <= 24 for h in self.serve_hours):
             problems.append("serve_hours must be two hours between 0 and 24")
+        problems += self._limit_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _limit_problems(self) -> list[str]:
+        problems = []
+        if len(self.memory_share_pct) > 64 or not all(
+                len(pair) == 2 and 0 <= pair[0] < 64 and 10 <= pair[1] <= 100 for pair in self.memory_share_pct):
+            problems.append("memory_share_pct must be (GPU index, 10-100 %) pairs")
+        bounds = (("max_requests", self.max_requests, 1, 256), ("temperature_limit_c", self.temperature_limit_c, 50, 95),
+                  ("download_limit_mib_s", self.download_limit_mib_s, 0.1, 10_000),
+                  ("monthly_download_gib", self.monthly_download_gib, 1, 100_000),
+                  ("notify_idle_hours", self.notify_idle_hours, 1, 168))
+        for name, value, low, high in bounds:
+            if value is not None and not low <= value <= high:
+                problems.append(f"{name} must be between {low:g} and {high:g}")
+        return problems
+
+    def memory_share(self, gpu_index: int) -> int:
+        """The % of this card's memory the lender lets an engine use (100 where no limit is set)."""
+        return dict(self.memory_share_pct).get(gpu_index, 100)
 
     def with_changes(self, **changes: Any) -> Settings:
         return replace(self, **changes).validated()
@@ -364,6 +393,9 @@ def _from_dict(cls: type[_Record], data: dict[str, Any]) -> _Record:
     for name in ("serve_hours", "gpus_to_lend", "autopause_ignored"):
         if isinstance(values.get(name), list):
             values[name] = tuple(values[name])
+    if isinstance(values.get("memory_share_pct"), list):
+        values["memory_share_pct"] = tuple(tuple(pair) if isinstance(pair, list) else pair
+                                           for pair in values["memory_share_pct"])
     return cls(**values)
 
 
