@@ -9,6 +9,8 @@ closed (so no GPU time goes to an answer nobody will receive) and nothing is sen
 Which requests may reach an engine (paths, media by URL, bounded sizes), which are generations, the body an
 engine is sent and the reading of its answer are `worker.relay.body`'s rules. The relay decides
 once, on accepting a request, whether it is a generation; only generations reach its hooks.
+Where the lender limits the requests served at once (`set_max_requests`), one over that limit of
+requests in flight at the relay gets 503 `at_capacity` before any engine sees it.
 
 The relay never retries a generation. Its hot path runs in the engine socket's read callback
 (`Response.stream_to`): each read's bytes go through the `StreamFilter` (whole SSE events, usage
@@ -58,6 +60,8 @@ _GATE_MESSAGES: dict[str, str] = {
               "request elsewhere",
     "not_ready": "no engine on this node is ready to serve yet; send the request elsewhere",
 }
+_AT_CAPACITY = ("this node's owner lets it serve {n} request{s} at once and that many are running; "
+                "send the request elsewhere or try again shortly")
 
 
 class Outlet(Protocol):
@@ -222,11 +226,19 @@ class Relay:
         self._jobs: dict[str, _Job] = {}
         self._by_engine: dict[str, int] = {}
         self._refusing: GateCode | None = None
+        self._max_requests: int | None = None  # the lender's limit of requests at once; None = none
         self._replies: set[asyncio.Task[None]] = set()
 
     @property
     def in_flight(self) -> int:
         return len(self._jobs)
+
+    def set_max_requests(self, n: int | None) -> None:
+        """The lender's limit of requests in flight at once (lowered while a card runs hot); None
+        lifts it. Requests already in flight run on; only new ones over it are refused."""
+        if n is not None and n < 1:
+            raise ValueError("max_requests must be at least 1")
+        self._max_requests = n
 
     def is_serving(self, request_id: str) -> bool:
         """True while `request_id` was accepted and has not reached its terminal message."""
@@ -333,6 +345,10 @@ class Relay:
             code = "not_ready"
         if code is not None:
             return protocol.ResponseError(id=request.id, status=503, code=code, message=_GATE_MESSAGES[code])
+        limit = self._max_requests
+        if limit is not None and len(self._jobs) >= limit:
+            return protocol.ResponseError(id=request.id, status=503, code="at_capacity",
+                                          message=_AT_CAPACITY.format(n=limit, s="" if limit == 1 else "s"))
         return None
 
     @staticmethod

@@ -671,3 +671,63 @@ async def test_the_engine_is_told_of_every_request_on_it_whatever_its_path(engin
     relay.cancel("r-2")
     await task
     assert load == [1, -1, 1, -1, 1, -1]
+
+
+async def wait_for_streams(engine: FakeEngine, n: int) -> None:
+    for _ in range(500):
+        if len(engine.records) >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine saw {len(engine.records)} requests, not {n}")
+
+
+async def test_a_request_over_the_lenders_limit_is_503_at_capacity_before_the_engine_sees_it(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=300, token_delay_s=0.01)
+    wire = Wire()
+    relay = make_relay(wire, http, engine)
+    relay.set_max_requests(2)
+    held = [relay.handle(request(f"r-{i}")) for i in range(2)]
+    await wait_for_streams(engine, 2)
+    await relay.handle(request("r-over"))
+    (error,) = wire.of("r-over")
+    assert (error.status, error.code) == (503, "at_capacity")
+    assert "2 requests at once" in error.message
+    assert len(engine.records) == 2 and relay.in_flight == 2
+    relay.cancel("r-0")
+    await held[0]
+    await relay.handle(request("r-after", stream=False, max_tokens=3))  # room again: served
+    assert isinstance(wire.terminals("r-after")[0], protocol.ResponseEnd)
+    relay.cancel("r-1")
+    await held[1]
+
+
+async def test_lowering_the_limit_lets_requests_in_flight_finish_and_lifting_it_takes_more(engine, http) -> None:
+    engine.behaviour = Behaviour(tokens=40, token_delay_s=0.01)
+    wire = Wire()
+    relay = make_relay(wire, http, engine)
+    running = [relay.handle(request(f"r-{i}")) for i in range(3)]
+    await wait_for_streams(engine, 3)
+    relay.set_max_requests(1)  # a card ran hot: fewer at once from now on
+    await relay.handle(request("r-hot"))
+    assert [(f.status, f.code) for f in wire.of("r-hot")] == [(503, "at_capacity")]
+    assert "1 request at once" in wire.of("r-hot")[0].message
+    await asyncio.gather(*running)
+    assert all(isinstance(wire.terminals(f"r-{i}")[0], protocol.ResponseEnd) for i in range(3))
+    relay.set_max_requests(None)
+    more = [relay.handle(request(f"r-cool-{i}")) for i in range(4)]
+    await asyncio.gather(*more)
+    assert all(isinstance(wire.terminals(f"r-cool-{i}")[0], protocol.ResponseEnd) for i in range(4))
+
+
+async def test_a_paused_node_says_paused_not_at_capacity(engine, http) -> None:
+    wire = Wire()
+    relay = make_relay(wire, http, engine, gate=lambda: "paused")
+    relay.set_max_requests(1)
+    await relay.handle(request())
+    assert [(f.status, f.code) for f in wire.of("r-1")] == [(503, "paused")]
+
+
+def test_a_limit_below_one_request_is_refused(http) -> None:
+    relay = Relay(Wire(), lambda: [], lambda: None, http=http)
+    with pytest.raises(ValueError):
+        relay.set_max_requests(0)
