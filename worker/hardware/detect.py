@@ -8,6 +8,7 @@ through the same code.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,6 +46,33 @@ def usable_mib(free_mib: int, settings: Settings) -> int:
     memory flag as the share of RAM it may take, and refuses to start when that share is not free.
     """
     return max(0, int(free_mib * settings.gpu_memory_utilization) - settings.memory_reserve_mib)
+
+
+def card_usable_mib(index: int, free_mib: int, total_mib: int, settings: Settings) -> int:
+    """`usable_mib` held to the share of this card the lender lends (`Settings.memory_share`):
+    never above `floor(total × share ÷ 100) − memory_reserve_mib`, whatever is free, so the rest
+    stays the desktop's and games'. A 24,564 MiB card lent at 50 % gives at most 11,770 MiB; at
+    100 % (no limit) the cap is above any free reading and changes nothing."""
+    lent = total_mib * settings.memory_share(index) // 100 - settings.memory_reserve_mib
+    return max(0, min(usable_mib(free_mib, settings), lent))
+
+
+def with_shares(machine: Machine, settings: Settings) -> Machine:
+    """The machine with each lent card's usable memory judged again from its detected reading under
+    `settings`' memory shares, and its groups and effective memory with it: a share changed in
+    Settings holds from the next plan and engine start without detecting again. Apple's working
+    set is the system's, not a card's: left as it is."""
+    gpus = tuple(dataclasses.replace(g, usable_mib=_usable(g, settings) if g.lent else 0) for g in machine.gpus)
+    groups = group_gpus(gpus) if machine.groups or machine.runtime != "cpu" else ()
+    effective = machine.effective_vram_mib
+    if not machine.unified_memory:
+        effective = groups[0].usable_mib_total if groups and machine.runtime != "cpu" else 0
+    return dataclasses.replace(machine, gpus=gpus, groups=groups if machine.runtime != "cpu" else (),
+                               effective_vram_mib=effective)
+
+
+def _usable(gpu: Gpu, settings: Settings) -> int:
+    return card_usable_mib(gpu.index, gpu.memory_free_mib, gpu.memory_total_mib, settings)
 
 
 def detect(
@@ -104,7 +132,7 @@ def build_machine(
 def _gpu(reading: GpuReading, settings: Settings, lend: set[int] | None) -> Gpu:
     v: dict[str, Any] = reading.values
     memory = v.get("memory") or {}
-    free = int(memory.get("free_mib", 0))
+    free, total = int(memory.get("free_mib", 0)), int(memory.get("total_mib", 0))
     mig = bool(v.get("mig_mode"))
     errors = list(reading.errors)
     if mig:
@@ -114,10 +142,10 @@ def _gpu(reading: GpuReading, settings: Settings, lend: set[int] | None) -> Gpu:
         index=reading.index,
         uuid=str(v.get("uuid") or f"GPU-unknown-{reading.index}"),
         name=str(v.get("name") or "unknown NVIDIA GPU"),
-        memory_total_mib=int(memory.get("total_mib", 0)),
+        memory_total_mib=total,
         memory_free_mib=free,
         memory_used_mib=memory.get("used_mib"),
-        usable_mib=usable_mib(free, settings) if lent else 0,
+        usable_mib=card_usable_mib(reading.index, free, total, settings) if lent else 0,
         compute_capability=v.get("compute_capability"),
         pcie_gen=v.get("pcie_gen"),
         pcie_width=v.get("pcie_width"),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from worker.system.config import Settings
 from worker.hardware import (
+    Gpu,
     GpuProcess,
     GpuSample,
     Machine,
@@ -22,6 +23,7 @@ from worker.hardware import (
     sample_gpus,
     usable_mib,
 )
+from worker.hardware.detect import card_usable_mib
 from worker.hardware.host import MIB, SYSFS, read_engine_ram
 from worker.hardware.nvml import read_nvidia
 from worker.measure.ledger import EnergyIntegrator
@@ -65,8 +67,9 @@ class GpuWatch:
     async def memory_share(self, machine: Machine, engine_plan: EnginePlan, settings: Settings) -> float | None:
         """vLLM's memory share for the plan's cards from a fresh NVML reading, or, for vLLM's CPU
         build (no cards), from the RAM measured again as vLLM measures it; by the rules of detection
-        (`usable_mib`) and planning (`cards_share`/`share`, held to the assignment's cap). None
-        where the cards cannot be read."""
+        (`card_usable_mib`: a card's held to the share the lender lends; `usable_mib` for RAM) and
+        planning (`cards_share`/`share`, held to the assignment's cap). None where the cards cannot
+        be read."""
         if not engine_plan.gpu_indices:
             total, free = await asyncio.to_thread(read_engine_ram, self._sysfs)
             measured = share(usable_mib(free // MIB, settings), total // MIB)
@@ -78,11 +81,12 @@ class GpuWatch:
         cards = [gpu for gpu in machine.gpus if gpu.index in engine_plan.gpu_indices and gpu.index in memory]
         if len(cards) != len(engine_plan.gpu_indices):
             return None
-        fresh = tuple(
-            dataclasses.replace(gpu, memory_total_mib=int(memory[gpu.index]["total_mib"]),
-                                memory_free_mib=int(memory[gpu.index]["free_mib"]),
-                                usable_mib=usable_mib(int(memory[gpu.index]["free_mib"]), settings))
-            for gpu in cards
-        )
+        fresh = tuple(_fresh(gpu, int(memory[gpu.index]["free_mib"]), int(memory[gpu.index]["total_mib"]), settings)
+                      for gpu in cards)
         measured = cards_share(dataclasses.replace(machine, gpus=fresh), engine_plan.gpu_indices)
         return held_to_cap(measured, engine_plan.memory_cap)
+
+
+def _fresh(gpu: Gpu, free_mib: int, total_mib: int, settings: Settings) -> Gpu:
+    return dataclasses.replace(gpu, memory_total_mib=total_mib, memory_free_mib=free_mib,
+                               usable_mib=card_usable_mib(gpu.index, free_mib, total_mib, settings))
