@@ -1,7 +1,8 @@
 """Auto-tune in the whole node, with the reference coordinator offering `autotune` and a real
 llama-server: a bad `tune` block serves untuned and says why; a `tune` message runs a search whose
 trials the relay answers with 503 `tuning`; the engine comes back with what it adopted, shown in
-`status`; a pause ends the running trial at once and the search resumes later."""
+`status`; a pause ends the running trial at once and the search resumes later; a person's local run
+that asks for tuning tunes through the local coordinator's assignment."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_node import STATE_TIMEOUT_S, processes_mentioning, running_node
+from tests.integration.test_node import STATE_TIMEOUT_S, free_ports, hardware_file, processes_mentioning, running_node
 from tests.support.engines import LlamaServer
 from tests.worker.hardware.recorded import replay
 from worker.contract import protocol
+from worker.contract.events import NodeSnapshot
 from worker.hardware import Machine
+from worker.link.local import local_tune_block
 from worker.measure.tuned import Kept, TunedStore, TuneKey
 from worker.node import tuning
+from worker.node.node import Node
 from worker.node.tuner import TunerSettings
 from worker.plan.planner import Plan, plan
 from worker.system.config import Paths, Settings
@@ -367,3 +371,39 @@ async def test_a_search_a_pause_cut_short_carries_on_after_a_reconnect_planned_t
         await run.coordinator.wait_for(tuning_is("running"), after=mark, timeout=STATE_TIMEOUT_S)
         report = await run.coordinator.wait_for("tune.report", after=mark, timeout=SEARCH_S)
         assert report.outcome in ("adopted", "kept_baseline")
+
+
+async def test_a_local_run_that_asks_for_tuning_gets_the_block_and_tunes_after_the_first_ready(
+    llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    """`--coordinator local` with the person's `tune` block: the local coordinator's assignment
+    carries it, the node reads it (the local welcome offers `autotune`), and the search runs after
+    the first ready, then the engine serves again."""
+    block = {**local_tune_block(minutes=3, trials=1), "objective": {"ladder_max": 2},
+             "space": {"-np": {"min": 1, "max": 4}}}
+    first = free_ports(2)
+    node = Node(Paths.under(tmp_path / "node"), Settings(), coordinator_url="local", model=str(tiny_gguf),
+                openai_port=first, first_port=first + 1, hardware_override=hardware_file(tmp_path, "no-gpu.json"),
+                engine_bins={"llamacpp": str(llama_server_bin.executable)}, tuner_settings=QUICK, local_tune=block)
+    seen: list[NodeSnapshot] = []
+    node.subscribe(seen.append)
+    task = asyncio.create_task(node.run())
+
+    async def shown(test: Any, timeout: float) -> NodeSnapshot:
+        async with asyncio.timeout(timeout):
+            while not any(test(snap) for snap in seen):
+                assert not task.done(), task
+                await asyncio.sleep(0.05)
+        return next(snap for snap in seen if test(snap))
+
+    try:
+        running = await shown(lambda snap: snap.tuning is not None and snap.tuning.state == "running", STATE_TIMEOUT_S)
+        assert running.tuning is not None and running.tuning.trials_max == 1  # the person's budget
+        assert running.assignment_id == "local-1"
+        await shown(lambda snap: snap.tuning is not None and snap.tuning.state == "done" and snap.state == "ready",
+                    SEARCH_S)
+    finally:
+        node.shutdown()
+        async with asyncio.timeout(STATE_TIMEOUT_S):
+            await task
+    assert processes_mentioning(str(tmp_path)) == []

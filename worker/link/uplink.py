@@ -1,15 +1,16 @@
 """The node's one connection to a coordinator: the network's (`--coordinator URL`, through
 `Link`), the built-in local one (`--coordinator local`: `worker.link.local`, started and stopped
-here), or none (`""`, `"none"`). It keeps the connection's state as the app shows it (with the
-person's sign-out and their switch to another network), and marks for a pending update that this
-version started and that it reached the coordinator."""
+here, its assignment carrying the person's `tune` block where they asked for tuning), or none
+(`""`, `"none"`). It keeps the connection's state as the app shows it (with the person's sign-out
+and their switch to another network), and marks for a pending update that this version started
+and that it reached the coordinator."""
 
 from __future__ import annotations
 
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -42,6 +43,7 @@ class Uplink:
         backoff: Backoff | None,
         local_model: str | None,
         openai_port: int | None,
+        local_tune: dict[str, Any] | None = None,
         hello: Callable[[], protocol.Hello],
         on_message: MessageHandler,
         on_disconnect: Callable[[], None],
@@ -50,7 +52,8 @@ class Uplink:
         requests: RequestHandler | None = None,
     ) -> None:
         """`on_change` is called after each change of `connection`; `requests` (the relay) is
-        handed each `request` and `cancel` frame by the link."""
+        handed each `request` and `cancel` frame by the link; `local_tune`: the contract's `tune`
+        block local mode's assignment carries (None: local mode does not tune)."""
         self.url = url
         self.connection = ConnectionSnapshot(url, "disabled")
         self._paths = paths
@@ -58,6 +61,7 @@ class Uplink:
         self._backoff = backoff
         self._local_model = local_model
         self._openai_port = openai_port
+        self._local_tune = local_tune
         self._hello = hello
         self._on_message = on_message
         self._on_disconnect = on_disconnect
@@ -105,7 +109,7 @@ class Uplink:
 
         token = secrets.token_urlsafe(24)
         local = LocalCoordinator(token=token, machine=machine, model=self._local_model, openai_port=self._openai_port,
-                                 paths=self._paths)
+                                 paths=self._paths, tune=self._local_tune)
         try:
             self._local = await local.start()
         except LocalModelError as exc:

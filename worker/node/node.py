@@ -4,7 +4,8 @@ detect → hello → assign → plan → provision → supervise → relay → m
 update and shutdown. Each part owns its state: the coordinator connection (`Uplink`), the engines
 (`EngineSet`), the GPUs (`GpuWatch`), the relay's measurements (`Metering`, the relay's hooks),
 the ledger (`Books`), who hears what and when (`Publisher`, with the `StatusFile`), whether the
-computer may sleep (`KeepAwake`: not while an engine serves); `node_view`
+computer may sleep (`KeepAwake`: not while an engine serves), auto-tune (`AutoTune`: the held
+plan's tuning, its searches and the kept result on each launch); `node_view`
 builds what the node shows and reports. The Node composes them on one asyncio loop, keeps the
 assignment, the plan and the pause, and turns coordinator messages and user commands into actions
 in the right order: what to do is `policy`'s to decide, pure, and the Node carries it out; the
@@ -19,13 +20,10 @@ import gc
 import dataclasses
 import json
 import logging
-import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
-
-import httpx
 
 from pydantic import BaseModel
 
@@ -39,7 +37,7 @@ from worker.system.datalock import DataFolderInUse, DataFolderLock
 from worker.system.keepawake import KeepAwake, PowerAssertion, platform_assertion
 from worker.node.provision_failure import network_failure, offline_problem, provision_problem
 from worker.serve.engine_set import EngineSet
-from worker.contract.events import EngineSnapshot, NodeSnapshot, NodeState, Problem, Tuned, TuningSnapshot
+from worker.contract.events import EngineSnapshot, NodeSnapshot, NodeState, Problem
 from worker.measure.gpu_watch import GpuWatch
 from worker.hardware import Machine, NvmlSource, PynvmlSource
 from worker.hardware.nvml import find_wsl_nvml_library
@@ -49,11 +47,10 @@ from worker.node.tasks import LoopTasks
 from worker.measure.metering import Metering
 from worker.link.outgoing import Outgoing
 from worker.node.sampler import Sampler
-from worker.node import tuning
-from worker.node.tuner import TuneReport, Tuner, TunerSettings
-from worker.measure.tuned import Kept, TuneKey, TunedStore
+from worker.node.autotune import AutoTune, Hooks
+from worker.node.tuner import TunerSettings
 from worker.node.view import Pause, build_hello, build_snapshot, build_status, engine_views
-from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan, running_version
+from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
 from worker.serve.process import reap_leftovers
 from worker.provision.assignment import OFFLINE_BACKOFF, OfflineRetry, provision
 from worker.provision.errors import ProvisionError
@@ -91,10 +88,12 @@ class Node:
         offline_backoff: RestartBackoff = OFFLINE_BACKOFF,
         power: PowerAssertion | None = None,
         tuner_settings: TunerSettings = TunerSettings(),
+        local_tune: dict[str, Any] | None = None,
     ) -> None:
         """`offline_backoff`: when a download or install the network cut short is tried again;
         `power`: what keeps the computer awake while it serves (None: this platform's own);
-        `tuner_settings`: how hard a tuning measures (tests shrink it)."""
+        `tuner_settings`: how hard a tuning measures (tests shrink it); `local_tune`: with the
+        local coordinator, the contract's `tune` block its assignment carries (`local_tune_block`)."""
         self.paths = paths.ensure()
         self.settings = settings
         self._hardware_override = hardware_override
@@ -128,7 +127,7 @@ class Node:
         self._relay = Relay(Outgoing.nowhere(), self._engines.ready_targets, self._gate, http=self._engine_http,
                             hooks=self._metering)
         self._uplink = Uplink(coordinator_url, self.paths, token_provider=token_provider, backoff=backoff,
-                              local_model=model, openai_port=openai_port, hello=self._hello,
+                              local_model=model, openai_port=openai_port, local_tune=local_tune, hello=self._hello,
                               on_message=self._on_message, on_disconnect=self._on_disconnect,
                               on_bad_message=self._on_bad_message, on_change=self._news.publish,
                               requests=self._relay)
@@ -140,25 +139,8 @@ class Node:
         self._draining = False  # while the relay drains for an engine stop
         self._engines_lock: asyncio.Lock | None = None
         self._awake = KeepAwake(power if power is not None else platform_assertion())
-        # auto-tune (`tuning` decides around the search, `tuner` searches)
-        self._tune_target: tuning.Target | None = None
-        self._tune_plan: Plan | None = None  # the plan the target was read from
-        self._tuning: TuningSnapshot | None = None
-        self._tuning_since = 0.0  # monotonic start of the running search
-        self._tune_pending: tuning.Trigger | None = None  # due, or cut short: runs when nothing blocks it
-        self._tune_trigger: tuning.Trigger = "on_assign"  # what started the running search
-        self._tuner: Tuner | None = None  # the running search, if any
-        self._tuning_now = False  # trial engines hold the card: the relay answers 503 `tuning`
-        self._launched: list[EnginePlan] = []  # the provisioned plans, without tuned arguments
-        self._tuned: dict[str, Tuned] = {}  # by engine id: what each running engine runs after its tier
-        self._kept: Kept | None = None  # the result tuning kept for the target on this machine
-        self._recheck: set[str] = set()  # engines started with a kept result: measured again once ready
-        self._unproven: set[str] = set()  # engines started with a kept result, not yet ready with it
-        self._just_tuned = False  # the launch right after a search
-        self._tuned_store: TunedStore | None = None  # opened when first needed
-        self._tuner_settings = tuner_settings
-        self._requests_seen = 0
-        self._last_request_at = monotonic()
+        self._autotune = AutoTune(self.paths, self._tuning_hooks(), self._tasks, settings=tuner_settings,
+                                  monotonic=monotonic)
 
     # --- commands (any thread) ----------------------------------------------------------------
 
@@ -258,7 +240,7 @@ class Node:
 
     async def _close(self) -> None:
         log.info("stopping: draining requests and stopping engines")
-        self._cancel_tuning(resume=False)
+        self._autotune.cancel(resume=False)
         await self._step(policy.Quit())  # "Stopping…" at once; each second publishes `in_flight` as it drains
         self._owner.mark_stopping()  # a second start meanwhile is told to wait, not that we run on
         try:
@@ -331,15 +313,14 @@ class Node:
             await self._news.send_status(force=True)
         elif isinstance(message, protocol.Assign):
             if message != self._held.assignment:
-                self._cancel_tuning(resume=False)
+                self._autotune.cancel(resume=False)
             self._tasks.spawn(self._locked(policy.Assigned(message)))
         elif isinstance(message, protocol.Unassign):
             if self._held.assignment is not None and self._held.assignment.assignment_id == message.assignment_id:
-                self._cancel_tuning(resume=False)
-                self._tune_target = None  # a search it cuts short starts no engine for it again
+                self._autotune.unassigned()
             self._tasks.spawn(self._locked(policy.Unassigned(message.assignment_id)))
         elif isinstance(message, protocol.Tune):
-            self._on_tune(message)
+            self._autotune.on_message(message)
         elif isinstance(message, protocol.Pause):
             self._tasks.spawn(self._do_pause("coordinator", None))
         elif isinstance(message, protocol.Resume):
@@ -494,9 +475,8 @@ class Node:
 
     async def _launch(self, engine_plans: list[EnginePlan]) -> None:
         """The engines started, each with the arguments tuning kept for it after its tier."""
-        self._launched = list(engine_plans)
-        await self._retarget(engine_plans)
-        await self._engines.launch([self._with_kept(p) for p in engine_plans])
+        features = self._welcome.features if self._welcome else []
+        await self._engines.launch(await self._autotune.launching(self.machine, features, engine_plans))
         self._news.publish()
 
     async def _remeasure_memory(self, engine_plan: EnginePlan) -> float | None:
@@ -527,27 +507,17 @@ class Node:
     async def _stop_engines(self) -> None:
         for engine_id in await self._engines.stop_all():
             self._metering.forget(engine_id)
-            self._tuned.pop(engine_id, None)
+            self._autotune.stopped(engine_id)
         self._news.publish()
 
     def _on_engine_change(self, snap: EngineSnapshot, reason: str) -> None:
         sup = self._engines.get(snap.engine_id)
-        if snap.state == "ready":
-            self._unproven.discard(snap.engine_id)
-        elif snap.engine_id in self._unproven and (snap.failures_in_a_row or snap.state == "failed"):
-            self._unproven.discard(snap.engine_id)  # it fails to start with them: the tier alone, at once
-            self._tasks.spawn(self._untune(f"engine {snap.engine_id} failed to start with them"))
-        if snap.state == "ready" and sup is not None and sup.run_id is not None:
-            self._metering.start_run(snap.engine_id, sup.run_id)
-            self._check_tuned(snap)
-            if snap.engine_id in self._recheck:
-                self._recheck.discard(snap.engine_id)
-                self._tasks.spawn(self._measure_kept(snap.engine_id))
-            self._tune_when_due()
+        run_id = sup.run_id if sup is not None else None
+        if snap.state == "ready" and run_id is not None:
+            self._metering.start_run(snap.engine_id, run_id)
         elif snap.state in ("starting", "failed", "stopped"):
             self._metering.forget(snap.engine_id)
-        if snap.state == "failed" and snap.engine_id in self._tuned and self._tasks.loop:
-            self._tasks.spawn(self._untune(f"engine {snap.engine_id} failed with them"))
+        self._autotune.engine_changed(snap, started=snap.state == "ready" and run_id is not None)
         self._keep_awake()  # before the snapshot that shows it
         self._news.publish()  # serving, failing and pausing speak through the state (app/notify.py), not notices
         if self._tasks.loop:
@@ -565,7 +535,7 @@ class Node:
 
     async def _do_pause(self, reason: str, until: float | None, detail: str | None = None) -> None:
         log.info("pause (%s)%s", reason, f" until {time.ctime(until)}" if until else "")
-        self._cancel_tuning()  # a game or a pause ends the running trial at once; tuning resumes later
+        self._autotune.cancel()  # a game or a pause ends the running trial at once; tuning resumes later
         await self._step(policy.Paused(reason, until, detail))  # announced at once; the engines stop under the lock
 
     def _set_settings(self, settings: Settings) -> None:
@@ -585,261 +555,24 @@ class Node:
 
     def _own_pids(self) -> set[int]:
         """The engines' processes, a tuning's trial engine among them."""
-        return self._engines.own_pids() | (self._tuner.own_pids() if self._tuner is not None else set())
+        return self._engines.own_pids() | self._autotune.own_pids()
 
     # --- auto-tune ---------------------------------------------------------------------------
 
-    async def _retarget(self, engine_plans: list[EnginePlan]) -> None:
-        """What the held plan asks to tune, read once per plan (a bad block: refused, shown),
-        and the result kept for it on this machine."""
-        plan, before = self._held.plan, self._tune_plan
-        if plan is before or self.machine is None:
-            return
-        if plan is not None and before is not None and tuning.same_assignment(plan, before):
-            self._tune_plan = plan  # planned again (a reconnect): the same tuning, its state kept
-            return
-        self._tune_plan, self._tune_target, self._tune_pending, self._kept = plan, None, None, None
-        features = self._welcome.features if self._welcome else []
-        found = tuning.target(plan, features, self.machine) if plan is not None else None
-        if isinstance(found, protocol.TuneRefused):
-            log.warning("assignment %s: not tuning: %s", plan.assignment_id if plan else "?", found.reason)
-            self._tuning = TuningSnapshot(state="refused", refused=found.reason)
-            return
-        if found is None or plan is None:
-            self._tuning = None
-            return
-        provisioned = next((p for p in engine_plans if p.engine_id == found.engine_plan.engine_id), found.engine_plan)
-        self._tune_target = dataclasses.replace(found, engine_plan=provisioned)
-        self._kept = await self._read_kept(self._tune_target)
-        chosen = self._kept_words(self._tune_target)
-        self._tuning = TuningSnapshot(state="done", chosen=chosen) if chosen else TuningSnapshot()
-        if self._kept is None and "on_assign" in found.spec.when:
-            self._tune_pending = "on_assign"
-
-    def _tune_key(self, target: tuning.Target) -> TuneKey:
-        assert self.machine is not None and self._tune_plan is not None
-        return tuning.key(self.machine, self._tune_plan, target.engine_plan)
-
-    async def _read_kept(self, target: tuning.Target) -> Kept | None:
-        """The result a tuning on this machine kept for this model, engine version and tier."""
-        try:
-            return await asyncio.to_thread(self._store().kept, self._tune_key(target))
-        except (OSError, sqlite3.Error) as exc:
-            log.error("could not read the kept tuning results (%s); serving untuned", exc)
-            return None
-
-    def _kept_words(self, target: tuning.Target) -> Tuned | None:
-        kept = self._kept
-        return tuning.tuned(kept.args, target.engine_plan.args, kept.gain_pct, kept.noise_pct) if kept else None
-
-    async def _forget_kept(self, why: str) -> None:
-        """The kept result dropped (the coordinator's `forget`, or arguments an engine failed with)."""
-        target, self._kept = self._tune_target, None
-        if target is None:
-            return
-        log.info("forgetting the tuned arguments of %s: %s", target.assignment_id, why)
-        try:
-            await asyncio.to_thread(self._store().forget, self._tune_key(target))
-        except (OSError, sqlite3.Error) as exc:
-            log.error("could not drop the kept tuning result (%s)", exc)
-
-    def _store(self) -> TunedStore:
-        if self._tuned_store is None:
-            self._tuned_store = TunedStore(self.paths.data_dir)
-        return self._tuned_store
-
-    def _with_kept(self, engine_plan: EnginePlan) -> EnginePlan:
-        """`engine_plan` with the arguments tuning kept for its engine, where there are some."""
-        self._tuned.pop(engine_plan.engine_id, None)
-        self._recheck.discard(engine_plan.engine_id)
-        self._unproven.discard(engine_plan.engine_id)
-        target, kept = self._tune_target, self._kept
-        if target is None or kept is None or engine_plan.engine != target.engine_plan.engine:
-            return engine_plan
-        held = self._tune_plan
-        version = running_version(self.machine, held.engine, held.engine_model) if held and self.machine else None
-        tuned_plan = tuning.with_tuned(engine_plan, kept.args, allow_remote_code=self.settings.allow_remote_code,
-                                       version=version)
-        words = self._kept_words(target)
-        if tuned_plan is None or words is None:
-            return engine_plan
-        self._tuned[engine_plan.engine_id] = words
-        self._unproven.add(engine_plan.engine_id)
-        if not self._just_tuned:
-            self._recheck.add(engine_plan.engine_id)
-        return tuned_plan
-
-    def _check_tuned(self, snap: EngineSnapshot) -> None:
-        """An engine that could start only without its tuned arguments (a fallback) serves without
-        them: the kept result goes, and the snapshot stops claiming them."""
-        kept = self._tuned.get(snap.engine_id)
-        if kept is None or tuning.runs_with(snap.argv, kept.args):
-            return
-        del self._tuned[snap.engine_id]
-        if self._tuning is not None and self._tuning.state == "done":
-            self._tuning = TuningSnapshot()
-        self._tasks.spawn(self._forget_kept(f"engine {snap.engine_id} started only without them"))
-
-    async def _measure_kept(self, engine_id: str) -> None:
-        """The kept result checked at this start: the engine measured (requests get 503 `tuning`
-        meanwhile) and the result dropped where it no longer beats what the tier served."""
-        kept, target = self._kept, self._tune_target
-        if kept is None or target is None or self._engines_lock is None:
-            return
-        async with self._engines_lock:
-            sup = self._engines.get(engine_id)
-            engine = sup.target() if sup is not None else None
-            if engine is None or self._kept is not kept or self._held.pause is not None:
-                return
-            self._tuning_now = True
-            try:
-                await self._relay.drain(DRAIN_S, "tuning")
-                measured = await tuning.measure_peak(engine, target.spec, sup.snapshot() if sup else None,
-                                                     run_s=self._tuner_settings.run_s)
-            except (OSError, httpx.HTTPError) as exc:
-                log.warning("could not measure engine %s's tuned arguments at this start: %s", engine_id, exc)
-                return
-            finally:
-                self._tuning_now = False
-        log.info("engine %s with its tuned arguments: %.1f tok/s at this start (adopted at %.1f)", engine_id,
-                 measured, kept.tok_s)
-        if tuning.regressed(kept, measured):
-            await self._untune(f"{measured:.1f} tok/s at this start is no faster than the tier served")
-
-    def _tuning_view(self) -> TuningSnapshot | None:
-        """The tuning snapshot of the held plan, a running search's time as of now."""
-        if self._held.plan is not self._tune_plan:
-            return None
-        if self._tuning is None or self._tuning.state != "running":
-            return self._tuning
-        return dataclasses.replace(self._tuning, elapsed_s=self._monotonic() - self._tuning_since)
-
-    def _tuning_blocked(self) -> str | None:
-        hours = autopause.in_serve_hours(self.settings.serve_hours, autopause.local_hour_now())
-        return tuning.blocked(paused=self._held.pause is not None, in_serve_hours=hours,
-                              battery=tuning.on_battery())
-
-    def _tune_when_due(self) -> None:
-        """A search that is due (after the first ready, after an interrupted one) starts now,
-        unless something blocks it: then it waits for the next ready or idle second."""
-        if self._tune_pending is not None and self._tuner is None and self._tasks.loop:
-            self._tasks.spawn(self._tune(self._tune_pending))
-
-    def _watch_idle(self) -> None:
-        """`idle`: ready, no request for `tuning.IDLE_S`; and a search that waits for what blocked it."""
-        requests = self._metering.figures().requests
-        now = self._monotonic()
-        if self._in_flight() or requests != self._requests_seen:
-            self._requests_seen, self._last_request_at = requests, now
-        target = self._tune_target
-        if target is None or self._tuner is not None or not self._engines.ready_targets():
-            return
-        if self._tune_pending is not None:
-            self._tune_when_due()
-        elif ("idle" in target.spec.when and now - self._last_request_at >= tuning.IDLE_S
-              and self._tuning is not None and self._tuning.state in ("idle", "cancelled")):
-            self._tasks.spawn(self._tune("idle"))
-
-    def _on_tune(self, message: protocol.Tune) -> None:
-        """The coordinator's `tune`: start (where `when` has `on_request`), cancel, or forget."""
-        target = self._tune_target
-        if target is None or target.assignment_id != message.assignment_id:
-            log.warning("tune %s for assignment %s ignored: it is not one this node tunes",
-                        message.action, message.assignment_id)
-            return
-        if message.action == "start":
-            if "on_request" not in target.spec.when:
-                log.warning("tune start ignored: the assignment's tune block does not list on_request")
-                return
-            self._tune_pending = "on_request"
-            self._tune_when_due()
-            return
-        self._cancel_tuning(resume=False)
-        if message.action == "forget":
-            self._tuning = TuningSnapshot()
-            self._tasks.spawn(self._untune("the coordinator asked to forget them"))
-
-    def _cancel_tuning(self, resume: bool = True) -> None:
-        """The running search ends at once (its trial engine stopped); `resume`: it runs again
-        once nothing blocks it (a pause, a game; from its journal), else not until asked."""
-        if self._tuner is not None:
-            self._tuner.cancel()
-            self._tune_pending = self._tune_trigger if resume else None
-        elif not resume:
-            self._tune_pending = None
-
-    async def _tune(self, trigger: tuning.Trigger) -> None:
-        """One search, under the engines lock: the relay drains and answers 503 `tuning`, the
-        engines stop, the tuner's trial engines measure, then the engines start again with what
-        it adopted (unless a pause or a new assignment came meanwhile)."""
-        target = self._tune_target
-        if target is None or self._tuner is not None or self._engines_lock is None or self.machine is None:
-            return
-        if why := self._tuning_blocked():
-            log.info("tuning waits: %s", why)
-            self._tune_pending = trigger
-            return
-        async with self._engines_lock:
-            if self._tune_target is not target or self._tuner is not None or self._held.pause or self._held.stopping:
-                return
-            self._tune_pending, self._tune_trigger = None, trigger
-            self._tuner = Tuner(target.engine_plan, target.spec, self.machine, paths=self.paths, store=self._store(),
-                                key=self._tune_key(target), progress=self._on_progress, settings=self._tuner_settings)
-            self._tuning_now, self._tuning_since = True, self._monotonic()
-            self._tuning = tuning.progress(self._tuning or TuningSnapshot(), 0, self._tuner.trials_max, 0.0)
-            log.info("tuning %s (%s): up to %d trials in %.0f minutes", target.assignment_id, trigger,
-                     self._tuner.trials_max, target.spec.budget.max_minutes)
-            report: TuneReport | None = None
-            try:
-                await self._news.send_status(force=True)
-                await self._drain_and_stop("tuning")
-                report = await self._tuner.run()
-            except Exception:
-                log.exception("tuning %s failed", target.assignment_id)
-            finally:
-                self._tuner, self._tuning_now = None, False
-            await self._tuning_ended(target, report)
-            if self._tune_target is target and self._held.pause is None and not self._held.stopping:
-                self._just_tuned = True  # what it adopted was measured moments ago: no check at this start
-                try:
-                    await self._launch(self._launched)
-                finally:
-                    self._just_tuned = False
-
-    def _on_progress(self, trial: int, trials_max: int) -> None:
-        """The tuner's trial count: shown, and told to the coordinator."""
-        if self._tuning is not None:
-            self._tuning = tuning.progress(self._tuning, trial, trials_max, self._monotonic() - self._tuning_since)
-        self._tasks.spawn(self._news.send_status())
-
-    async def _tuning_ended(self, target: tuning.Target, report: TuneReport | None) -> None:
-        """What a search found: shown, kept where it adopted (the tuner kept it), and reported."""
-        baseline = target.engine_plan.args
-        self._tuning = tuning.ended(report, target.spec.budget.max_trials, baseline)
-        if report is not None and report.outcome == "adopted":
-            self._kept = await self._read_kept(target)  # as the tuner kept it
-        chosen = self._tuning.chosen
-        log.info("tuning %s ended: %s%s", target.assignment_id, report.outcome if report else "failed",
-                 f", {' '.join(chosen.args)} ({chosen.gain_pct:+.1f} %)" if chosen else "")
-        await self._send(tuning.report_message(target.assignment_id, target.engine_plan.engine_id, baseline, report))
-        await self._news.send_status(force=True)
-
-    async def _untune(self, why: str) -> None:
-        """The kept result dropped, and engines that run with it started again without it."""
-        assert self._engines_lock is not None
-        await self._forget_kept(why)
-        async with self._engines_lock:
-            if not self._tuned:
-                return
-            await self._drain_and_stop("draining")
-            if self._held.pause is None and not self._held.stopping and self._launched:
-                await self._launch(self._launched)
+    def _tuning_hooks(self) -> Hooks:
+        """What `AutoTune` carries a search out with: the engines under their lock, the relay's
+        drain, this node's launch, and its news."""
+        return Hooks(held=lambda: self._held, settings=lambda: self.settings, lock=lambda: self._engines_lock,
+                     engines=self._engines, requests=lambda: self._metering.figures().requests,
+                     in_flight=self._in_flight, drain=lambda: self._relay.drain(DRAIN_S, "tuning"),
+                     stop_engines=self._drain_and_stop, launch=self._launch, send=self._send,
+                     send_status=lambda force: self._news.send_status(force=force))
 
     # --- the relay's gate, and the terms of what it meters ----------------------------------
 
     def _gate(self) -> policy.Gate | None:
         return policy.gate(self._held, draining=self._draining, ready=bool(self._engines.ready_targets()),
-                           tuning=self._tuning_now)
+                           tuning=self._autotune.measuring)
 
     def _terms(self) -> tuple[str, protocol.Price] | None:
         """What a finished generation earns under: the planned model at the coordinator's price."""
@@ -855,15 +588,16 @@ class Node:
     def _status(self) -> protocol.Status:
         held = self._held
         return build_status(state=self._node_state(), assignment=held.assignment, problem=held.problem,
-                            refused=held.refused, engines=engine_views(self._engines.snapshots(), {}, self._tuned),
+                            refused=held.refused,
+                            engines=engine_views(self._engines.snapshots(), {}, self._autotune.tuned),
                             figures=self._metering.figures(), gpus=self._gpus.samples.values(),
-                            in_flight=self._in_flight(), tuning=self._tuning_view())
+                            in_flight=self._in_flight(), tuning=self._autotune.view())
 
     async def _each_second(self) -> None:
         """After the sample: a timed pause's end, then the news (a heartbeat when one is due)."""
         if policy.resume_due(self._held, self._clock()):
             self._tasks.spawn(self._locked(policy.Resumed("timer")))
-        self._watch_idle()
+        self._autotune.each_second()
         heartbeat = self._welcome.heartbeat_s if self._welcome else 10.0
         beat = self._monotonic() - self._last_heartbeat >= heartbeat
         if beat:
@@ -894,8 +628,8 @@ class Node:
             stopping=self._held.stopping,
             update_ready=self._updater.ready_version if self._updater else None,
             game_detection=self._game_detection,
-            tuning=self._tuning_view(),
-            tuned=self._tuned,
+            tuning=self._autotune.view(),
+            tuned=self._autotune.tuned,
         )
 
     # --- updates --------------------------------------------------------------------------

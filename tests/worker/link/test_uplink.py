@@ -15,7 +15,7 @@ from worker import __version__
 from worker.contract import events, protocol
 from worker.hardware import Machine
 from worker.link.connection import Backoff
-from worker.link.local import LocalModelError, ReferenceCoordinator
+from worker.link.local import LocalModelError, ReferenceCoordinator, local_tune_block
 from worker.link.uplink import Uplink
 from worker.system.config import Paths, read_local_endpoint
 from worker.update.install import hello_reached_by, started_by
@@ -69,11 +69,13 @@ def paths(tmp_path: Path) -> Paths:
 async def make(paths: Paths) -> AsyncIterator[Make]:
     made: list[Uplink] = []
 
-    def build(url: str, *, backoff: Backoff | None = None, local_model: str | None = None) -> tuple[Uplink, Node]:
+    def build(url: str, *, backoff: Backoff | None = None, local_model: str | None = None,
+              local_tune: dict[str, Any] | None = None) -> tuple[Uplink, Node]:
         node = Node()
         uplink = Uplink(url, paths, token_provider=lambda: TOKEN,
                         backoff=backoff or Backoff(base_s=0.01, cap_s=0.05, random_source=lambda: 1.0),
-                        local_model=local_model, openai_port=0, hello=lambda: HELLO, on_message=node.on_message,
+                        local_model=local_model, openai_port=0, local_tune=local_tune, hello=lambda: HELLO,
+                        on_message=node.on_message,
                         on_disconnect=lambda: None, on_bad_message=_ignore, on_change=node.on_change)
         node.uplink = uplink
         made.append(uplink)
@@ -148,6 +150,26 @@ async def test_local_mode_starts_its_coordinator_which_assigns_and_close_stops_i
     await uplink.close()
     await asyncio.wait_for(task, 5)
     assert _refused(port)  # the next version needs the port
+
+
+@pytest.mark.parametrize("tune", [None, local_tune_block(minutes=5, trials=3)])
+async def test_local_mode_assigns_with_the_tune_block_the_person_asked_for_and_none_otherwise(
+        make: Make, model: Path, tune: dict[str, Any] | None) -> None:
+    uplink, node = make("local", local_model=str(model), local_tune=tune)
+    assert await uplink.open(MACHINE) is None
+    task = asyncio.create_task(uplink.run())
+    welcome = await node.wait_message(protocol.Welcome)
+    assign = await node.wait_message(protocol.Assign)
+    [block] = assign.model.engines.values()
+    spec = protocol.parse_tune(block.tune)
+    if tune is None:
+        assert block.tune is None and spec is None
+    else:
+        assert protocol.AUTOTUNE_FEATURE in welcome.features  # the node reads the block only where it is offered
+        assert isinstance(spec, protocol.TuneSpec) and spec.enabled and spec.when == ("on_assign",)
+        assert (spec.budget.max_minutes, spec.budget.max_trials) == (5, 3)
+    await uplink.close()
+    await asyncio.wait_for(task, 5)
 
 
 async def test_a_local_model_that_cannot_be_used_is_a_problem_for_settings(make: Make, paths: Paths) -> None:

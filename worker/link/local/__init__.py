@@ -15,7 +15,7 @@ from worker.link.local.coordinator import (
 )
 from worker.link.local.local import DEFAULT_OPENAI_PORT, HasRuntime, LocalCoordinator, LocalEndpointError
 from worker.link.local.openai_endpoint import OpenAIEndpoint, host_problem, origin_problem
-from worker.link.local.sizing import DEFAULT_LOCAL_MODEL, LocalModelError, local_assignment
+from worker.link.local.sizing import DEFAULT_LOCAL_MODEL, LocalModelError, local_assignment, local_tune_block
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
@@ -33,5 +33,6 @@ __all__ = [
     "ReferenceCoordinator",
     "host_problem",
     "local_assignment",
+    "local_tune_block",
     "origin_problem",
 ]

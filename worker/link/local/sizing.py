@@ -6,6 +6,7 @@ goes to the first engine of this machine's runtime (`registry.for_runtime`, pref
 which form the engines here need. (On `cpu` a folder goes to the engine that serves it there only
 where installed; where it is not, the plan refuses the folder and says so.) The size is measured
 on disk for a local path and estimated from the name otherwise; the plan needs it up front.
+Where the person asks local mode to tune, the block carries `local_tune_block()`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def local_assignment(runtime: str, model: str | None = None, *, weights_mib: int
                                 base_args=list(defaults.base_args),
                                 tiers={key: list(args) for key, args in defaults.tiers.items()}, tune=tune)
     return protocol.Assign(assignment_id=LOCAL_ASSIGNMENT_ID, model=protocol.ModelSpec(name=name, **{adapter.NAME: spec}))
+
+
+def local_tune_block(minutes: float = 15.0, trials: int = 12) -> dict[str, Any]:
+    """The `tune` block a person's local run carries when they ask for tuning: one search after
+    the first ready (a result it keeps is reused at the next start, checked again), within
+    `minutes` and `trials`, over the engine's own tuning space: no coordinator is there to narrow
+    it or to send a `tune` message."""
+    return {"enabled": True, "when": ["on_assign"], "budget": {"max_minutes": minutes, "max_trials": trials}}
 
 
 def _engine_for(runtime: str, form: ModelFormat, text: str) -> EngineAdapter:
