@@ -35,6 +35,10 @@ CHART_WINDOW_S = 3600.0  # the chart history the GUI may ask for, kept in memory
 SAMPLES_FLUSH_S = 10.0  # chart points reach the file this often (the GUI reads them from memory at once)
 EARNINGS_REFRESH_S = 60.0  # earnings are re-read after each credit, and this often for electricity and the day
 EARNINGS_DAYS = 30  # the days the earnings chart shows, today included
+RATE_WINDOW_S = 86_400.0  # the net rate is over the serving minutes of the last day
+RATE_MIN_SERVED_MIN = 15  # fewer serving minutes than this make no rate: one request in a minute is not "per hour"
+PROJECTION_WINDOW_S = 7 * 86_400.0  # how many hours a day the node serves, judged over the last week
+POWER_SERIES_SUFFIX = ".power_w"  # the per-card power chart series (`gpu{index}.power_w`), read where NVML reads power
 SERVING_SERIES = "tokens_per_s"
 """The chart series the node records every second an engine serves (its live rate, 0 when idle)
 and never while none does: its per-minute points are the ledger's record of serving time."""
@@ -94,6 +98,13 @@ class Retention:
     def max_rows(self, series: int) -> int:
         """The most points the store can hold for this many series (pruning runs once a minute)."""
         return series * (self.fine_s + COARSE_STEP_S + self.coarse_s // COARSE_STEP_S + 1)
+
+
+@dataclass(frozen=True)
+class _ServingRate:
+    served_minutes: int  # in the rate's window
+    net_per_hour: float | None
+    power_measured: bool  # energy was recorded in those minutes
 
 
 class LedgerError(Exception):
@@ -238,8 +249,9 @@ class Ledger:
 
     def summary(self, now: float | None = None, currency: str = "USD", price_per_kwh: float = 0.0) -> EarningsSnapshot:
         """Today, this week (from Monday), all time and the last `EARNINGS_DAYS` days, in local time,
-        and the net earned per serving hour; other currencies left out. `price_per_kwh`: the
-        electricity price the node charges energy at, passed through for the app to show."""
+        the net earned per serving hour and a day's projection, and whether this machine's serving
+        power is measured at all; other currencies left out. `price_per_kwh`: the electricity price
+        the node charges energy at, passed through for the app to show."""
         now = self._clock() if now is None else now
         day = self._day_start(now)
         week = self._week_start(now)
@@ -259,7 +271,8 @@ class Ledger:
                 (day, week, day, currency),
             ).fetchone()
             days = self._days(now, currency)
-            net_per_hour = self._net_per_hour(now, currency)
+            rate = self._serving_rate(now, currency)
+            projected = self._projected_per_day(now, rate.net_per_hour)
         return EarningsSnapshot(
             currency=currency,
             today=earned_[0],
@@ -270,8 +283,10 @@ class Ledger:
             energy_cost_all_time=energy[2],
             energy_kwh_today=energy[3] / JOULES_PER_KWH,
             days=days,
-            net_per_hour=net_per_hour,
+            net_per_hour=rate.net_per_hour,
             electricity_price_per_kwh=price_per_kwh,
+            power_measured=rate.power_measured if rate.served_minutes else self._power_read_lately(now),
+            projected_per_day=projected,
         )
 
     def _days(self, now: float, currency: str) -> tuple[DayEarnings, ...]:
@@ -291,26 +306,59 @@ class Ledger:
         ).fetchall()
         return tuple(DayEarnings(d.isoformat(), gross, cost) for d, (gross, cost) in zip(dates, rows, strict=True))
 
-    def _net_per_hour(self, now: float, currency: str) -> float | None:
-        """Net earned in the last 24 h ÷ the hours served in them; None when none was served.
+    def _serving_rate(self, now: float, currency: str) -> _ServingRate:
+        """Net earned in the last day ÷ the hours served in it, and whether serving's power was
+        measured in those minutes.
 
         Served = the minutes the node recorded a `SERVING_SERIES` point: an engine was up to take
         requests, busy or idle (an idle hour that draws power and earns nothing lowers the figure,
-        as it would a gamer's bill). The earnings are every request of the 24 h; the energy is the
-        serving minutes' only, not what a game drew while the node was paused.
+        as it would a gamer's bill). The earnings are every request of the day; the energy is the
+        serving minutes' only, not what a game drew while the node was paused. Under
+        `RATE_MIN_SERVED_MIN` there is no rate: a minute's one request is no hourly figure.
+        Measured = energy was recorded in those minutes (NVML power or energy on the cards): a Mac
+        or a CPU node records none, and its net is its gross.
         """
-        since = now - 86_400
-        minutes, energy_cost = self._db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(e.cost), 0) FROM samples_coarse AS s"
-            " LEFT JOIN energy AS e ON e.minute = s.t AND e.currency = ? WHERE s.series = ? AND s.t >= ?",
+        since = now - RATE_WINDOW_S
+        minutes, energy_cost, joules = self._db.execute(
+            "SELECT COUNT(DISTINCT s.t), COALESCE(SUM(CASE WHEN e.currency = ? THEN e.cost END), 0),"
+            " COALESCE(SUM(e.joules), 0) FROM samples_coarse AS s LEFT JOIN energy AS e ON e.minute = s.t"
+            " WHERE s.series = ? AND s.t >= ?",
             (currency, SERVING_SERIES, since),
         ).fetchone()
-        if not minutes:
-            return None
+        minutes, measured = int(minutes), float(joules) > 0
+        if minutes < RATE_MIN_SERVED_MIN:
+            return _ServingRate(minutes, None, measured)
         gross = self._db.execute(
             "SELECT COALESCE(SUM(amount), 0) FROM requests WHERE currency = ? AND at >= ?", (currency, since)
         ).fetchone()[0]
-        return (float(gross) - float(energy_cost)) / (int(minutes) / 60)
+        return _ServingRate(minutes, (float(gross) - float(energy_cost)) / (minutes / 60), measured)
+
+    def _projected_per_day(self, now: float, net_per_hour: float | None) -> float | None:
+        """The net rate × the hours a day the node has served lately: the share of the time since
+        its first serving minute of the last week (a node serving evenings projects evenings, one
+        started an hour ago and serving since projects all day)."""
+        if net_per_hour is None:
+            return None
+        first, minutes = self._db.execute(
+            "SELECT MIN(t), COUNT(*) FROM samples_coarse WHERE series = ? AND t >= ?",
+            (SERVING_SERIES, now - min(PROJECTION_WINDOW_S, self._retention.coarse_s)),
+        ).fetchone()
+        if first is None:
+            return None
+        served_s = int(minutes) * COARSE_STEP_S
+        share = served_s / max(now - float(first), served_s)
+        return net_per_hour * 24 * share
+
+    def _power_read_lately(self, now: float) -> bool:
+        """Before anything was served today: whether this machine's power can be measured, from
+        the last week's records (energy drawn, or a card's power charted). Call under the lock."""
+        since = now - self._retention.coarse_s
+        row = self._db.execute(
+            "SELECT EXISTS (SELECT 1 FROM energy WHERE minute >= ? AND joules > 0)"
+            " OR EXISTS (SELECT 1 FROM samples_coarse WHERE series GLOB ? AND t >= ?)",
+            (since, f"gpu*{POWER_SERIES_SUFFIX}", since),
+        ).fetchone()
+        return bool(row[0])
 
     def _local_midnight(self, day: date) -> float:
         # A naive datetime's timestamp() uses the system's local rules, DST included.

@@ -422,3 +422,67 @@ async def test_energy_waits_in_memory_with_the_chart_points(tmp_path: Path) -> N
     again = Ledger(tmp_path / "ledger.sqlite3")
     assert again.summary(now + 2).energy_kwh_today == pytest.approx(2.0)
     again.close()
+
+
+# --- honest earnings: power measured, the rate, the projection ------------------------------------
+
+
+def serve(ledger: Ledger, start: float, minutes: int) -> None:
+    """An engine up (busy or idle) for `minutes` from `start`: a serving point a minute, as the node
+    records one every second it serves."""
+    ledger.record_batch([(start + 60 * m, {SERVING_SERIES: 3.0}) for m in range(minutes)])
+
+
+def test_net_of_electricity_only_where_serving_power_was_measured(ledger: Ledger) -> None:
+    now = at("2026-11-25 12:00")
+    serve(ledger, now - 2 * 3600, 120)
+    ledger.record_request("r", "run", "m", 0, 10_000_000, PRICE, now - 3600)  # 4.00
+    cpu = ledger.summary(now, price_per_kwh=0.30)
+    assert not cpu.power_measured  # a Mac or a CPU node: no energy recorded while it served ...
+    assert cpu.net_today == cpu.today == pytest.approx(4.00)  # ... so net is gross
+    assert cpu.net_per_hour == pytest.approx(4.00 / 2)
+
+    ledger.record_energy(3_600_000, now - 1800, 0.30, "USD")  # the cards' power, read while serving
+    gpu = ledger.summary(now, price_per_kwh=0.30)
+    assert gpu.power_measured
+    assert gpu.net_per_hour == pytest.approx((4.00 - 0.30) / 2)
+
+
+def test_before_serving_a_card_whose_power_reads_counts_as_measured(ledger: Ledger) -> None:
+    now = at("2026-11-25 12:00")
+    assert not ledger.summary(now).power_measured  # nothing known yet
+    ledger.record_sample("gpu0.util_pct", 3.0, now - 600)  # a card without a power reading
+    assert not ledger.summary(now).power_measured
+    ledger.record_sample("gpu0.power_w", 31.0, now - 600)
+    assert ledger.summary(now).power_measured
+
+
+def test_no_hourly_rate_from_a_few_minutes(ledger: Ledger) -> None:
+    now = at("2026-11-25 12:00")
+    serve(ledger, now - 600, 5)
+    ledger.record_request("r", "run", "m", 0, 1_000_000, PRICE, now - 300)
+    snap = ledger.summary(now)
+    assert snap.net_per_hour is None and snap.projected_per_day is None  # 0.40 in 5 minutes is no "4.80 an hour"
+    assert snap.today == pytest.approx(0.40)
+
+
+def test_the_projection_follows_the_hours_a_day_it_serves(ledger: Ledger) -> None:
+    now = at("2026-11-25 12:00")
+    for days_ago in (2, 1, 0):  # six hours each of the last three days
+        serve(ledger, now - days_ago * 86_400 - 6 * 3600, 360)
+    ledger.record_request("r", "run", "m", 0, 7_500_000, PRICE, now - 3600)  # 3.00 today
+    ledger.record_energy(2 * 3_600_000, now - 1800, 0.30, "USD")  # 0.60 while serving
+    snap = ledger.summary(now, price_per_kwh=0.30)
+    assert snap.net_per_hour == pytest.approx((3.00 - 0.60) / 6)
+    # 18 of the 54 hours since it first served: 8 hours a day at 0.40 an hour
+    assert snap.projected_per_day == pytest.approx(0.40 * 8)
+
+
+def test_a_node_serving_since_it_started_projects_a_whole_day(ledger: Ledger) -> None:
+    now = at("2026-11-25 12:00")
+    serve(ledger, now - 1800, 30)
+    ledger.record_request("r", "run", "m", 0, 1_000_000, PRICE, now - 60)  # 0.40 in half an hour
+    ledger.record_energy(3_600_000, now - 60, 1.00, "USD")  # 1.00 of electricity: losing money
+    snap = ledger.summary(now, price_per_kwh=1.00)
+    assert snap.net_per_hour == pytest.approx((0.40 - 1.00) * 2)
+    assert snap.projected_per_day == pytest.approx((0.40 - 1.00) * 2 * 24)
