@@ -106,6 +106,18 @@ def _num(value: Any, unit: str = "", digits: int = 1) -> str:
     return f"{value:,}{unit}"
 
 
+def _limits_lines(limits: Any) -> list[str]:
+    """The lender's limits as they hold now, and the step taken (too hot: fewer requests)."""
+    if not isinstance(limits, dict):
+        return []
+    parts = [f"at most {limits['max_requests']} requests at once"] if limits.get("max_requests") else []
+    parts += [f"GPU {index} lends {pct} % of its memory" for index, pct in limits.get("memory_share_pct") or ()
+              if pct < 100]
+    if limits.get("words"):
+        parts.append(str(limits["words"]))
+    return [f"  limits      {'; '.join(parts)}"] if parts else []
+
+
 def _tuning_lines(tuning: Any) -> list[str]:
     """ "Tuning… (trial 4 of 12)" while a search runs; else what it adopted, refused or ended as."""
     if not isinstance(tuning, dict):
@@ -127,17 +139,32 @@ def _tuning_lines(tuning: Any) -> list[str]:
     return [f"  tuning      {ended[state]}"] if state in ended else []
 
 
+def _headline_lines(snap: dict[str, Any]) -> list[str]:
+    """The node's one state, the very words the tray and the dashboard show (`headline`), and
+    the one reason it earns nothing now."""
+    head = snap.get("headline")
+    if not isinstance(head, dict):  # written by a version before the headline (an update's hand-over)
+        return [f"  State       {snap['state']}"]
+    lines = [f"  State       {head.get('title')}"]
+    if head.get("detail"):
+        lines.append(f"              {head['detail']}")
+    if head.get("not_earning"):
+        lines.append(f"  not earning {head['not_earning']}")
+    return lines
+
+
 def status_table(data: dict[str, Any]) -> str:
     snap = data["snapshot"]
     lines = [
         f"gpu-provider {data.get('version', '?')} (pid {data['pid']})",
-        f"  state       {snap['state']}" + (f" ({snap['pause_reason']})" if snap.get("paused") else ""),
+        *_headline_lines(snap),
         f"  coordinator {snap['connection']['coordinator_url']} — {snap['connection']['state']}",
         f"  model       {snap.get('model') or '—'}",
         f"  in flight   {snap.get('in_flight', 0)}",
     ]
     if snap.get("problem"):
         lines.append(f"  problem     {snap['problem']['title']}: {snap['problem']['message']}")
+    lines += _limits_lines(snap.get("limits"))
     lines += _tuning_lines(snap.get("tuning"))
     if data.get("local_endpoint"):
         local = data["local_endpoint"]

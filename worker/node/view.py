@@ -18,17 +18,22 @@ from worker.contract.events import (
     EarningsSnapshot,
     EngineSnapshot,
     GpuSnapshot,
+    LimitsSnapshot,
     MeasuredCapacity,
     NodeSnapshot,
     NodeState,
     Problem,
+    RoutingNotice,
     ThroughputSnapshot,
     Tuned,
     TuningSnapshot,
 )
+from worker.node.headline import headline
 from worker.hardware import Gpu, GpuSample, Machine
 from worker.measure.ledger import SERVING_SERIES
 from worker.measure.metrics import EngineMetrics
+
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -58,16 +63,38 @@ def summarise(states: Sequence[NodeState]) -> NodeState:
     return "configured"
 
 
-def build_hello(node_id: str, machine: Machine, *, paused: bool, allow_remote_code: bool) -> protocol.Hello:
+def build_hello(node_id: str, machine: Machine, *, paused: bool, allow_remote_code: bool,
+                limits: LimitsSnapshot = LimitsSnapshot()) -> protocol.Hello:
     """The `hello` this node introduces itself with: the machine as detected, the engine arguments
-    it accepts, whether it is paused."""
+    it accepts, whether it is paused, the lender's limits."""
     return protocol.Hello(
         node_id=node_id,
         app_version=__version__,
         paused=paused,
         engine_args=published_args(allow_remote_code=allow_remote_code),
+        limits=limits_status(limits),
         **machine.to_detect_json(),
     )
+
+
+def limits_status(limits: LimitsSnapshot) -> protocol.Limits | None:
+    """The contract's `limits`; None where the lender set none and none is taken now."""
+    shares = {str(index): pct for index, pct in limits.memory_share_pct if pct < 100}
+    if limits.max_requests is None and not shares and limits.reason is None:
+        return None
+    return protocol.Limits(max_requests=limits.max_requests, memory_share_pct=shares, reason=limits.reason)
+
+
+def download_status(downloads: Iterable[DownloadProgress]) -> protocol.DownloadStatus | None:
+    """The contract's `status.download`: the first download in progress (a held one is `paused`)."""
+    active = next((d for d in downloads if not d.finished and not d.error), None)
+    if active is None:
+        return None
+    rate = active.rate_bps / MIB if active.rate_bps is not None and active.held is None else None
+    return protocol.DownloadStatus(
+        what=active.kind, done_mib=active.done_bytes // MIB,
+        total_mib=active.total_bytes // MIB if active.total_bytes is not None else None,
+        mib_per_s=round(rate, 2) if rate is not None else None, paused=active.held is not None)
 
 
 def node_state(*, paused: bool, assigned: bool, planned: bool, problem: bool,
@@ -95,9 +122,12 @@ def build_status(
     gpus: Iterable[GpuSample],
     in_flight: int,
     tuning: TuningSnapshot | None = None,
+    limits: LimitsSnapshot = LimitsSnapshot(),
+    downloads: Iterable[DownloadProgress] = (),
 ) -> protocol.Status:
     """The `status` message: what the coordinator learns of this node (`engines` with the
-    measured arguments each runs with laid over them: `engine_views`)."""
+    measured arguments each runs with laid over them: `engine_views`), the lender's limits now
+    and the download in progress."""
     return protocol.Status(
         state=state,
         assignment_id=assignment.assignment_id if assignment else None,
@@ -141,6 +171,8 @@ def build_status(
         ],
         in_flight=in_flight,
         tuning=tuning_status(tuning),
+        limits=limits_status(limits),
+        download=download_status(downloads),
     )
 
 
@@ -158,10 +190,12 @@ def tuning_status(tuning: TuningSnapshot | None) -> protocol.TuningStatus | None
 def status_key(status: protocol.Status) -> tuple[Any, ...]:
     """What makes a `status` worth sending before the next heartbeat: a change in the node's or an
     engine's state, an engine's restarts or tuned arguments, the error, the refusal, or tuning's
-    state and trial (figures and the time tuning took move every second)."""
+    state and trial, the lender's limits, a download starting, ending, held or going on (figures,
+    the time tuning took and a download's bytes move every second)."""
     tuning = (status.tuning.state, status.tuning.trial, status.tuning.refused) if status.tuning else None
+    download = (status.download.what, status.download.paused) if status.download else None
     return (status.state, tuple((e.engine_id, e.state, e.restarts, e.tuned) for e in status.engines),
-            status.last_error, status.refused, tuning)
+            status.last_error, status.refused, tuning, status.limits, download)
 
 
 def engine_views(engines: Iterable[EngineSnapshot], metrics: Mapping[str, EngineMetrics],
@@ -226,16 +260,20 @@ def build_snapshot(
     game_detection: str | None = None,
     tuning: TuningSnapshot | None = None,
     tuned: Mapping[str, Tuned] | None = None,
+    setup_needed: bool = False,
+    routing: RoutingNotice | None = None,
+    limits: LimitsSnapshot = LimitsSnapshot(),
 ) -> NodeSnapshot:
-    """The `NodeSnapshot` the app renders. `lent`: the cards the user lends (None: all);
-    `earnings` None until the ledger was first read; `last_capacity` the latest run's measured
-    capacity, kept while nothing serves; `machine` None while it is being detected; `tuning` where
-    the tier's arguments are being (or were) measured against others, `tuned` by engine id."""
+    """The `NodeSnapshot` the app renders, with its one headline. `lent`: the cards the user lends
+    (None: all); `earnings` None until the ledger was first read; `last_capacity` the latest run's
+    measured capacity, kept while nothing serves; `machine` None while it is being detected;
+    `tuning` where the tier's arguments are being (or were) measured against others, `tuned` by
+    engine id; `setup_needed` while the first-run flow waits; `routing` the network's latest notice."""
     lent_set = set(lent) if lent is not None else None
     kwargs: dict[str, Any] = {}
     if earnings is not None:
         kwargs["earnings"] = earnings
-    return NodeSnapshot(
+    snap = NodeSnapshot(
         at=at,
         state=state,
         node_id=node_id,
@@ -262,8 +300,12 @@ def build_snapshot(
         update_ready=update_ready,
         game_detection=game_detection,
         tuning=tuning,
+        setup_needed=setup_needed,
+        routing=routing,
+        limits=limits,
         **kwargs,
     )
+    return dataclasses.replace(snap, headline=headline(snap, at))
 
 
 def chart_points(throughput: ThroughputSnapshot, kv_usage_pct: float | None,

@@ -10,10 +10,23 @@ from pathlib import Path
 
 from worker import __version__
 from worker.system.config import LocalEndpoint, Paths, local_endpoint_key, save_local_endpoint
-from worker.contract.events import ConnectionSnapshot, NodeSnapshot, ThroughputSnapshot, Tuned, TuningSnapshot
+from worker.contract.events import (
+    ConnectionSnapshot,
+    LimitsSnapshot,
+    NodeSnapshot,
+    RoutingNotice,
+    ThroughputSnapshot,
+    Tuned,
+    TuningSnapshot,
+)
+from worker.node.headline import headline
 from worker.node.status import STATUS_FILE_S, StatusFile, read_status, status_table
 
 SNAP = NodeSnapshot(at=1.0, state="ready", node_id="n-1", runtime="native", model="qwen3-8b")
+
+
+def headlined(snap: NodeSnapshot) -> NodeSnapshot:
+    return dataclasses.replace(snap, headline=headline(snap, snap.at))
 
 
 class Clock:
@@ -68,7 +81,27 @@ def test_the_table_shows_what_the_file_says(tmp_path: Path) -> None:
     data = read_status(paths)
     assert data is not None
     table = status_table(data)
-    assert "state       ready" in table and "model       qwen3-8b" in table
+    assert "model       qwen3-8b" in table
+
+
+def test_the_table_says_the_headline_the_reason_it_earns_nothing_and_the_limits(tmp_path: Path) -> None:
+    paths = Paths.under(tmp_path).ensure()
+    routing = RoutingNotice(share=0.0, reason="low_demand", message="No demand for this model right now", at=1.0)
+    snap = headlined(dataclasses.replace(
+        SNAP, routing=routing, limits=LimitsSnapshot(max_requests=2, memory_share_pct=((0, 80), (1, 100)),
+                                                     reason="too_hot", words="GPU 0 at 84 °C: 2 requests at once")))
+    StatusFile(paths, lambda: True).write(snap)
+    data = read_status(paths)
+    assert data is not None
+    table = status_table(data).splitlines()
+    assert table[1] == "  State       Serving · qwen3-8b"
+    assert "  not earning The network says: No demand for this model right now" in table
+    assert ("  limits      at most 2 requests at once; GPU 0 lends 80 % of its memory;"
+            " GPU 0 at 84 °C: 2 requests at once") in table
+    offline = headlined(dataclasses.replace(SNAP, connection=ConnectionSnapshot("wss://c", "offline")))
+    StatusFile(paths, lambda: True).write(offline)
+    data = read_status(paths)
+    assert data is not None and "  State       Offline" in status_table(data).splitlines()
 
 
 def test_in_local_mode_status_shows_the_endpoint_and_its_key(tmp_path: Path) -> None:

@@ -13,9 +13,11 @@ from worker.contract.events import (
     DownloadProgress,
     EarningsSnapshot,
     EngineSnapshot,
+    LimitsSnapshot,
     MeasuredCapacity,
     NodeSnapshot,
     Problem,
+    RoutingNotice,
     ThroughputSnapshot,
     Tuned,
     TuningSnapshot,
@@ -29,8 +31,10 @@ from worker.node.view import (
     build_snapshot,
     build_status,
     chart_points,
+    download_status,
     engine_views,
     gpu_view,
+    limits_status,
     node_state,
     status_key,
     summarise,
@@ -254,3 +258,51 @@ def test_the_snapshot_carries_tuning_and_each_engines_tuned_arguments() -> None:
 def test_tuned_arguments_read_in_a_persons_words(chosen: tuple[str, ...], baseline: tuple[str, ...],
                                                  words: tuple[str, ...]) -> None:
     assert tuned_words(chosen, baseline) == words
+
+
+# --- the headline, limits and downloads ------------------------------------------------------------
+
+
+def test_the_snapshot_carries_its_headline_routing_and_limits() -> None:
+    routing = RoutingNotice(share=0.0, reason="low_demand", message="No demand for this model right now", at=5.0)
+    limits = LimitsSnapshot(max_requests=2, memory_share_pct=((0, 80),), reason="too_hot", words="GPU 0 at 84 °C")
+    snap = snapshot(routing=routing, limits=limits)
+    assert (snap.routing, snap.limits) == (routing, limits)
+    assert (snap.headline.title, snap.headline.not_earning) == (
+        "Serving · qwen3-8b", "The network says: No demand for this model right now")
+    assert snapshot(setup_needed=True).headline.title == "Finish setting up"
+    assert snapshot(pause=Pause("game", None, "Cyberpunk2077.exe")).headline.title == "Paused for Cyberpunk2077.exe"
+
+
+def test_limits_on_the_wire_only_where_the_lender_set_some() -> None:
+    assert limits_status(LimitsSnapshot()) is None
+    assert limits_status(LimitsSnapshot(memory_share_pct=((0, 100),))) is None  # all of it: no limit
+    assert limits_status(LimitsSnapshot(max_requests=2, memory_share_pct=((0, 80), (1, 100)), reason="too_hot")) == (
+        protocol.Limits(max_requests=2, memory_share_pct={"0": 80}, reason="too_hot"))
+    hello = build_hello("n-1", MACHINE, paused=False, allow_remote_code=False, limits=LimitsSnapshot(max_requests=4))
+    assert hello.limits == protocol.Limits(max_requests=4)
+    assert build_hello("n-1", MACHINE, paused=False, allow_remote_code=False).limits is None
+
+
+def test_the_status_carries_the_download_in_progress_and_the_limits() -> None:
+    mib = 2**20
+    going = DownloadProgress("model qwen3-8b", done_bytes=1200 * mib + 5, total_bytes=4300 * mib, rate_bps=8.1 * mib)
+    assert download_status([going]) == protocol.DownloadStatus(what="model", done_mib=1200, total_mib=4300,
+                                                               mib_per_s=8.1, paused=False)
+    held = dataclasses.replace(going, held="game", held_detail="Cyberpunk2077.exe", kind="engine", total_bytes=None)
+    assert download_status([dataclasses.replace(going, finished=True), held]) == protocol.DownloadStatus(
+        what="engine", done_mib=1200, total_mib=None, mib_per_s=None, paused=True)
+    assert download_status([dataclasses.replace(going, error="x")]) is None
+
+    def status(downloads: list[DownloadProgress], limits: LimitsSnapshot = LimitsSnapshot()) -> protocol.Status:
+        return build_status(state="configured", assignment=ASSIGN, problem=None, refused=None, engines=[],
+                            figures=ThroughputSnapshot(), gpus=[], in_flight=0, downloads=downloads, limits=limits)
+
+    sent = status([going], LimitsSnapshot(max_requests=3))
+    assert sent.download is not None and sent.download.done_mib == 1200
+    assert sent.limits == protocol.Limits(max_requests=3)
+    further = dataclasses.replace(going, done_bytes=2000 * mib)
+    assert status_key(status([going])) == status_key(status([further]))  # bytes move every second
+    assert status_key(status([going])) != status_key(status([held]))  # held: said at once
+    assert status_key(status([going])) != status_key(status([]))  # ended
+    assert status_key(status([])) != status_key(status([], LimitsSnapshot(max_requests=2, reason="too_hot")))
