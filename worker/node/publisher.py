@@ -1,7 +1,7 @@
 """Who hears of the node, and when: the app's subscribers get every snapshot (with the downloads
-in progress and the latest notices); the coordinator a `status` whenever what it is shown changed
-(and when forced: a heartbeat, a new assignment); the status file of `gpu-provider status` is
-rewritten when due."""
+in progress and the latest notices, the lender's reminders among them); the coordinator a `status`
+whenever what it is shown changed (and when forced: a heartbeat, a new assignment); the status
+file of `gpu-provider status` is rewritten when due."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from worker.contract import protocol
 from worker.contract.events import DownloadProgress, NodeSnapshot
+from worker.node.reminders import Reminders
 from worker.node.view import status_key
 from worker.node.status import StatusFile
 
@@ -31,8 +32,11 @@ class Publisher:
     coordinator was last told, and what only the app is told: downloads and notices."""
 
     def __init__(self, snapshot: Callable[[], NodeSnapshot], status: Callable[[], protocol.Status],
-                 send: Callable[[BaseModel], Awaitable[bool]], status_file: StatusFile) -> None:
-        """`snapshot` and `status` build the node's current ones; `send` reaches the coordinator."""
+                 send: Callable[[BaseModel], Awaitable[bool]], status_file: StatusFile,
+                 reminders: Reminders | None = None) -> None:
+        """`snapshot` and `status` build the node's current ones; `send` reaches the coordinator;
+        `reminders` watch the snapshots for the notices a lender asked for."""
+        self._reminders = reminders
         self._build_snapshot = snapshot
         self._build_status = status
         self._send = send
@@ -56,8 +60,13 @@ class Publisher:
         return unsubscribe
 
     def publish(self) -> None:
-        """A new snapshot to every subscriber, on the node's loop."""
+        """A new snapshot to every subscriber, on the node's loop (with a reminder that fell due)."""
         snap = self._build_snapshot()
+        due = self._reminders.check(snap) if self._reminders is not None else []
+        if due:
+            for text in due:
+                self.notice(text)
+            snap = self._build_snapshot()
         self.latest = snap
         with self._lock:
             subscribers = list(self._subscribers)
