@@ -1,4 +1,4 @@
-"""`gpu-provider`'s core commands: `detect`, `plan`, `run --headless`, `status` and `tune`.
+"""`gpu-provider`'s core commands: `detect`, `plan`, `run --headless`, `status`, `tune` and `setup`.
 
 Without a command (or `run` without --headless) `gpu-provider` opens the desktop app. The core
 never imports the GUI, so that choice is the launcher's (`app/launch.py`): it asks
@@ -101,12 +101,36 @@ def build_parser() -> CommandLine:
     tune.add_argument("--engine", metavar="NAME", help="the engine to tune (default: the first that runs the model here)")
     tune.add_argument("--base-args", metavar="ARGS", help="the baseline to beat, as one string (default: the "
                       "engine's local defaults and tier)")
-    tune.add_argument("--minutes", type=float, default=15.0, help="the time budget (default 15)")
+    tune.add_argument("--minutes", type=float, default=15.0, help="the time budget (default 15); a longer one "
+                      "measures each candidate longer and re-measures the best more often")
+    tune.add_argument("--space", metavar="JSON", help='the flags to try and their ranges, as a coordinator\'s '
+                      'tune.space: {"-np": {"min": 1, "max": 8}, "-b": {"values": [512, 2048]}} (default: the '
+                      "engine's own)")
     tune.add_argument("--trials", type=int, default=12, help="the most candidates tried (default 12)")
     tune.add_argument("--engine-bin", metavar="NAME=PATH", action="append", default=[],
                       help="an engine executable, NAME=PATH; repeatable")
     tune.add_argument("--json", action="store_true", help="print the report as JSON")
     tune.set_defaults(handler=run_tune)
+
+    setup = commands.add_parser(
+        "setup", parents=[data_dir], help="the first-run choices in a terminal (network, price, GPUs, habits)",
+        description="Choose the network, the electricity price, the GPUs to lend, start at login and pausing "
+        "for games, as the desktop app's first-run flow does, and save them as set up: the app then starts work "
+        "at once. Asks each in turn (Enter keeps what is shown), or with --yes takes the flags and the current "
+        "settings without a question.",
+    )
+    setup.add_argument("--yes", action="store_true", help="ask nothing: the flags given, else the current settings")
+    setup.add_argument("--network", metavar="official|local|URL",
+                       help="the network to serve (official), only this computer (local), or a wss:// URL")
+    setup.add_argument("--price", metavar="PER_KWH", type=float, help="what one kWh of electricity costs you")
+    setup.add_argument("--keep-price", action="store_true", help="with --yes: keep a price far from what homes pay")
+    setup.add_argument("--gpus", metavar="all|0,1", help="the GPUs to lend")
+    setup.add_argument("--start-at-login", action=argparse.BooleanOptionalAction, default=None,
+                       help="start GPU Provider when you log in")
+    setup.add_argument("--pause-for-games", action=argparse.BooleanOptionalAction, default=None,
+                       help="pause while a game uses the GPU")
+    setup.add_argument("--hardware", metavar="FILE", help="use a `detect` output instead of live detection")
+    setup.set_defaults(handler=run_setup)
     parser.command_names = frozenset(commands.choices)
     return parser
 
@@ -306,9 +330,16 @@ def run_tune(args: argparse.Namespace, settings: Settings) -> int:
         engine_bins = parse_engine_bins(args.engine_bin)
         return asyncio.run(tune_here(Paths.resolve(getattr(args, "data_dir", None)), settings, args.model,
                                      engine=args.engine, base_args=args.base_args, minutes=args.minutes,
-                                     trials=args.trials, engine_bins=engine_bins, as_json=args.json))
+                                     trials=args.trials, engine_bins=engine_bins, as_json=args.json,
+                                     space=args.space))
     except (InputError, TuneInputError, TuneRefused, DataFolderInUse, DataFolderUnsafe) as exc:
         return _print_error(str(exc))
+
+
+def run_setup(args: argparse.Namespace, settings: Settings) -> int:
+    from worker.node.setup_command import main_setup
+
+    return main_setup(args, settings)
 
 
 def _load(path: str, what: str, reader: Callable[[str], T]) -> T:
