@@ -41,7 +41,6 @@ PROMPTS = ROOT / "tests" / "fixtures" / "tune" / "prompts-bytes.json"
 BASELINE = ("-np", "1", "-c", "4096", "-t", "1")
 GAIN_SPACE: dict[str, Any] = {"-np": {"min": 1, "max": 8}, "-t": {"min": 1, "max": 64}}
 NULL_SPACE: dict[str, Any] = {"-b": {"values": [1024, 4096]}}
-SETTINGS = TunerSettings(repeats=2, pairs=8, blocks=2, run_s=2.0)
 
 
 def machine() -> Machine:
@@ -62,7 +61,7 @@ def tuner(model: Path, tune: protocol.TuneSpec, folder: Path) -> Tuner:
                       tier=None, args=BASELINE, fallbacks=(), port=free_port(), env={},
                       executable=(str(server.executable),), model=str(model), served_name="tune-llama")
     return Tuner(plan, tune, machine(), paths=Paths.under(folder).ensure(), prompts=read_prompts(PROMPTS),
-                 settings=SETTINGS, base_env=server.environment())
+                 settings=TunerSettings.for_budget(tune.budget.max_minutes), base_env=server.environment())
 
 
 def remeasured(report: TuneReport) -> float:

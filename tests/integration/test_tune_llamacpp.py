@@ -7,7 +7,7 @@ baseline; a candidate that changes the greedy text is rejected by the gate."""
 from __future__ import annotations
 
 import dataclasses
-
+import json
 import os
 import time
 from collections.abc import Callable
@@ -23,6 +23,7 @@ from worker.hardware.model import Machine
 from worker.measure import gates
 from worker.measure.load import Prompt, read_prompts
 from worker.measure.tuned import TunedStore, TuneKey
+from worker.node.cli import main
 from worker.node.tuner import TuneReport, Tuner, TunerSettings
 from worker.plan.planner import EnginePlan
 from worker.serve.process import StopTiming
@@ -35,7 +36,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tune"
 BASELINE = ("-np", "1", "-c", "4096", "-t", "1")  # one thread: two spin-wait for each other on a shared 2-core machine
 TIMING = SupervisorTiming(ready_timeout_s=60, poll_s=0.05, request_timeout_s=5.0, probe_timeout_s=20.0,
                           health_interval_s=1.0, output_settle_s=0.5, stop=StopTiming(grace_s=3.0, gone_s=3.0, poll_s=0.02))
-SETTINGS = TunerSettings(repeats=2, pairs=6, blocks=2, run_s=1.5)
+# three starts of each config at least: two cannot tell a start that landed well from a gain
+SETTINGS = TunerSettings(repeats=2, pairs=6, blocks=3, run_s=1.5)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +179,21 @@ async def test_a_baseline_that_fails_requests_fails_the_tuning(llama_server_bin:
     report = await tuner.run()
     assert report.outcome == "failed" and [t.result for t in report.trials] == ["baseline"]
     assert any(level.failed for level in report.baseline.levels)
+
+
+def test_the_tune_command_tries_only_its_space_and_measures_as_its_budget_allows(
+        llama_server_bin: LlamaServer, tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpu-provider tune --space … --minutes 3` on the real llama-server: every candidate is from
+    the space given, and the report says how hard a three-minute budget measured."""
+    code = main(["tune", "--data-dir", str(tmp_path / "data"), "--model", str(tiny_gguf),
+                 "--engine-bin", f"llamacpp={llama_server_bin.executable}", "--base-args", "-np 1 -c 2048 -t 1",
+                 "--space", '{"-np": {"values": [2]}}', "--minutes", "3", "--trials", "2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["outcome"] in ("adopted", "kept_baseline"), report
+    settings = TunerSettings.for_budget(3)
+    assert report["measuring"] == {"repeats": settings.repeats, "pairs": settings.pairs, "blocks": settings.blocks,
+                                   "run_s": settings.run_s}
+    assert report["baseline"]["args"] == ["-np", "1", "-c", "2048", "-t", "1"]
+    tried = [trial["args"] for trial in report["trials"][1:]]
+    assert tried == [["-np", "2", "-c", "4096"]], report["trials"]
+    assert report["trials"][1]["levels"] and report["elapsed_s"] < 3 * 60 + 60

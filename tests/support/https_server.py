@@ -1,7 +1,10 @@
 """A small HTTPS file server on 127.0.0.1 for tests: a folder, added resources, Range, faults.
 
 Faults include bodies sent without a length (chunked) and servers that announce one size and
-send more, so tests can check that a download stops at its cap either way.
+send more, so tests can check that a download stops at its cap either way. A server can be slow
+(`rate_bytes_per_s`: bodies paced like a slow line) and impatient (`idle_close_s`: a connection
+whose client stops reading is closed after that long, as real servers do), so tests can pause
+a download mid-way and see it resume.
 
 Runs in a background thread (so both async httpx clients and libraries that make blocking calls
 from worker threads can use it), with a trustme certificate authority the test hands to its
@@ -21,6 +24,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -34,6 +38,7 @@ import trustme
 from worker.provision.hosts import IPAddress, PublicHosts, download_client
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+_PIECE = 64 * 1024  # a paced body is written this much at a time
 HOST = "files.example.net"
 MIRROR = "mirror.example.org"
 LOOPBACK = ipaddress.IPv4Address("127.0.0.1")
@@ -213,12 +218,33 @@ class _Handler(BaseHTTPRequestHandler):
     def _write_body(self, path: str, body: bytes) -> None:
         cut = self.server.owner._take_cut(path) if self.command == "GET" else None
         if cut is None:
-            self.wfile.write(body)
+            self._paced_write(body)
             return
-        self.wfile.write(body[:cut])
+        self._paced_write(body[:cut])
         self.wfile.flush()
         self.close_connection = True
         self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _paced_write(self, body: bytes) -> None:
+        """`body` at the server's rate, in pieces; a client that stops reading for `idle_close_s`
+        has its connection closed (counted in `idle_closes`)."""
+        owner = self.server.owner
+        if owner.rate_bytes_per_s is None and owner.idle_close_s is None:
+            self.wfile.write(body)
+            return
+        self.connection.settimeout(owner.idle_close_s)
+        began = time.monotonic()
+        try:
+            for start in range(0, len(body), _PIECE):
+                piece = body[start : start + _PIECE]
+                self.wfile.write(piece)
+                owner._count_sent(len(piece))
+                if owner.rate_bytes_per_s is not None:
+                    time.sleep(max(0.0, began + (start + len(piece)) / owner.rate_bytes_per_s - time.monotonic()))
+        except TimeoutError:
+            owner._count_idle_close()
+            self.close_connection = True
+            self.connection.close()
 
     def _send_status(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
@@ -234,11 +260,16 @@ class HttpsServer:
     """`with HttpsServer(root) as server: async with server.client() as c: await c.get(server.url("a.gguf"))`."""
 
     def __init__(
-        self, root: Path | None = None, *, ca: trustme.CA | None = None, honour_range: bool = True
+        self, root: Path | None = None, *, ca: trustme.CA | None = None, honour_range: bool = True,
+        rate_bytes_per_s: float | None = None, idle_close_s: float | None = None,
     ) -> None:
         self.root = root
         self.ca = ca or trustme.CA()
         self.honour_range = honour_range
+        self.rate_bytes_per_s = rate_bytes_per_s  # None: as fast as the client reads
+        self.idle_close_s = idle_close_s  # None: a connection waits for its client forever
+        self._sent = 0
+        self._idle_closes = 0
         self._resources: dict[str, Resource] = {}
         self._cuts: dict[str, _Cut] = {}
         self._seen: list[SeenRequest] = []
@@ -311,6 +342,26 @@ class HttpsServer:
     def requests_for(self, path: str, method: str | None = None) -> list[SeenRequest]:
         wanted = "/" + path.lstrip("/")
         return [r for r in self.requests if r.path == wanted and (method is None or r.method == method)]
+
+    @property
+    def idle_closes(self) -> int:
+        """How many connections this server closed because their client stopped reading."""
+        with self._lock:
+            return self._idle_closes
+
+    @property
+    def sent_bytes(self) -> int:
+        """Body bytes written to clients by paced (or impatient) responses."""
+        with self._lock:
+            return self._sent
+
+    def _count_sent(self, n: int) -> None:
+        with self._lock:
+            self._sent += n
+
+    def _count_idle_close(self) -> None:
+        with self._lock:
+            self._idle_closes += 1
 
     def _count_connection(self) -> None:
         with self._lock:

@@ -10,7 +10,13 @@ if it beats it by at least max(`min_gain_pct`, twice the measured run-to-run spr
   between the pairs' ratios (candidate and baseline runs side by side);
 - both are medians of absolute deviations, scaled to a standard deviation, so the odd wild run a
   busy machine produces moves neither; and both are taken on the logarithm of tok/s, so a
-  doubling and a halving are the same size and a large noise still compounds honestly.
+  doubling and a halving are the same size and a large noise still compounds honestly;
+- runs come in blocks, each a fresh start of both engines, and a start can shift a config's speed
+  as a whole (where its memory landed, a cache, another program), which successive runs of one
+  start never show: the noise is the larger of the run-to-run spread and what the spread of the
+  blocks' own gains can fake (half the gain that blocks as far apart fake one time in forty,
+  Student's t: two blocks must agree far more closely than four), and blocks that disagree on the
+  gain's sign make the result `UNSTABLE` (the tuner measures another block while its budget lasts).
 
 With `REPEATS` pairs a candidate that is no faster is adopted about twice in 100,000 decisions
 (Gaussian noise of any size), and one 2 × the threshold faster is adopted 99 % of the time;
@@ -26,6 +32,8 @@ from dataclasses import dataclass
 
 REPEATS = 12  # interleaved baseline/candidate pairs of the re-measure
 MAD_TO_SD = 1.4826  # a normal distribution's standard deviation per median absolute deviation
+# Student's t, one-sided 2.5 %, for 1, 2, … degrees of freedom (the last stands for more)
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179)
 BELOW_THRESHOLD = "below_threshold"  # it gained less than `min_gain_pct`
 UNSTABLE = "unstable"  # it gained `min_gain_pct`, but no more than twice what the noise can fake
 
@@ -44,20 +52,47 @@ def spread_pct(runs: Sequence[float]) -> float:
 
 
 def decide(baseline: Sequence[float], candidate: Sequence[float], min_gain_pct: float) -> Decision:
+    """`decide_blocks` for runs all made on one start of each engine."""
+    return decide_blocks([baseline], [candidate], min_gain_pct)
+
+
+def decide_blocks(baseline: Sequence[Sequence[float]], candidate: Sequence[Sequence[float]],
+                  min_gain_pct: float) -> Decision:
     """Adopt the candidate only if its gain over the baseline (aggregate tok/s, runs interleaved
-    pair by pair) is at least max(`min_gain_pct`, twice the run-to-run spread)."""
-    if len(baseline) != len(candidate) or len(baseline) < 2:
-        raise ValueError("deciding takes the same number (two or more) of interleaved runs of each")
-    before, after = _logs(baseline), _logs(candidate)
-    ratios = [mine - theirs for theirs, mine in zip(before, after)]
-    noise = max(_successive_sd(before, after), _sd(ratios))
-    gain = statistics.median(ratios)
+    pair by pair, grouped by block: one fresh start of each engine) is at least
+    max(`min_gain_pct`, twice the noise), and every block agrees."""
+    if (len(baseline) != len(candidate) or any(len(b) != len(c) or not b for b, c in zip(baseline, candidate))
+            or sum(map(len, baseline)) < 2):
+        raise ValueError("deciding takes the same number (two or more) of interleaved runs of each, "
+                         "in blocks of one or more")
+    before = [_logs(block) for block in baseline]
+    after = [_logs(block) for block in candidate]
+    ratios = [[mine - theirs for theirs, mine in zip(b, a)] for b, a in zip(before, after)]
+    flat = [ratio for block in ratios for ratio in block]
+    within = max(_successive_sd(_joined(before), _joined(after)), _sd(flat))
+    gains = [statistics.median(block) for block in ratios]
+    between = _block_sd(gains)
+    noise = max(within, between)
+    gain = statistics.median(flat)
     figures = (_pct(gain), _pct(noise))
-    if gain < math.log1p(min_gain_pct / 100):
+    floor = math.log1p(min_gain_pct / 100)
+    if gain < floor:
         return Decision(False, *figures, BELOW_THRESHOLD)
-    if gain < 2 * noise:
+    if min(gains) <= 0 or gain < 2 * noise:
         return Decision(False, *figures, UNSTABLE)
     return Decision(True, *figures, None)
+
+
+def _block_sd(gains: Sequence[float]) -> float:
+    """Half the gain that blocks as far apart as these fake one time in forty with no true gain
+    (Student's t on the blocks' gains), so that `gain < 2 * noise` holds for as few blocks as given."""
+    if len(gains) < 2:
+        return 0.0
+    return T_975[min(len(gains) - 1, len(T_975)) - 1] * statistics.stdev(gains) / math.sqrt(len(gains)) / 2
+
+
+def _joined(blocks: Sequence[Sequence[float]]) -> list[float]:
+    return [value for block in blocks for value in block]
 
 
 def _logs(runs: Sequence[float]) -> list[float]:

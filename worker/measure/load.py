@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 120.0
 LONG_PREFILL_LEVELS = frozenset({1, 2})
 CHARS_PER_TOKEN = 2  # a conservative count of a prompt's tokens by its characters
+# A request's decode is timed from its chunks' arrivals; chunks an engine or the socket delivered
+# together (in one read) arrive microseconds apart and time the read, not the decode.
+TOGETHER_S = 0.001  # chunks closer than this came in one read
+MIN_DECODE_SPAN_S = 0.02  # a first-to-last span shorter than this is no decode time
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class PromptSet:
 class LevelFigures:
     concurrency: int
     aggregate_tok_s: float
-    per_request_tok_s: float  # decode: tokens after the first ÷ the time after the first (median)
+    per_request_tok_s: float  # decode: tokens after the first ÷ the time after the first (median); 0: not measured
     ttft_p90_ms: float
     failed: int
     answer_tok_s: float = 0.0  # as a request sees it: its tokens ÷ the time since it was sent (median)
@@ -200,8 +204,9 @@ async def measure(endpoint: Endpoint, ladder: Sequence[int], *, repeats: int, wa
 async def _level(http: httpx.AsyncClient, endpoint: Endpoint, n: int, repeats: int, prompts: PromptSet,
                  beside: bool, run_s: float) -> LevelFigures:
     runs = [await _run(http, endpoint, n, prompts, beside, run_s) for _ in range(max(repeats, 1))]
+    decode = [r.per_request_tok_s for r in runs if r.per_request_tok_s > 0]  # runs that measured it
     return LevelFigures(n, statistics.median(r.aggregate_tok_s for r in runs),
-                        statistics.median(r.per_request_tok_s for r in runs),
+                        statistics.median(decode) if decode else 0.0,
                         statistics.median(r.ttft_p90_ms for r in runs), max(r.failed for r in runs),
                         statistics.median(r.answer_tok_s for r in runs))
 
@@ -241,9 +246,8 @@ def figures(n: int, done: Sequence[_Done], elapsed_s: float) -> LevelFigures:
 async def _one(http: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt) -> _Done:
     """One streamed request: its output tokens, time to first token and decode speed."""
     started = time.monotonic()
-    first: float | None = None
-    last = started
-    chunks, usage = 0, None
+    arrivals: list[float] = []
+    usage = None
     try:
         async with http.stream("POST", "/v1/chat/completions",
                                json={"model": endpoint.model, **prompt.body(stream=True)}) as response:
@@ -256,16 +260,29 @@ async def _one(http: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt) -> _
                     continue
                 usage = event.get("usage") or usage
                 if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
-                    last = time.monotonic()
-                    first = first or last
-                    chunks += 1
+                    arrivals.append(time.monotonic())
     except (httpx.HTTPError, ValueError) as exc:
         log.info("load: a request failed: %r", exc)
         return _Done(0, None, None, False)
-    tokens = int(usage["completion_tokens"]) if isinstance(usage, dict) and "completion_tokens" in usage else chunks
-    decode = (tokens - 1) / (last - first) if first is not None and tokens > 1 and last > first else None
-    answer = tokens / (last - started) if first is not None and last > started else None
-    return _Done(tokens, None if first is None else first - started, decode, True, answer)
+    tokens = int(usage["completion_tokens"]) if isinstance(usage, dict) and "completion_tokens" in usage else len(arrivals)
+    if not arrivals:
+        return _Done(tokens, None, None, True, None)
+    last = arrivals[-1]
+    answer = tokens / (last - started) if last > started else None
+    return _Done(tokens, arrivals[0] - started, decode_tok_s(tokens, arrivals), True, answer)
+
+
+def decode_tok_s(tokens: int, arrivals: Sequence[float]) -> float | None:
+    """A request's decode speed: its tokens after the first over the time from its first chunk to
+    its last, or None (not measured) where that span times reads rather than decoding: shorter
+    than `MIN_DECODE_SPAN_S`, or most chunks after the first came together with the one before."""
+    if tokens < 2 or len(arrivals) < 2:
+        return None
+    span = arrivals[-1] - arrivals[0]
+    apart = sum(1 for earlier, later in zip(arrivals, arrivals[1:]) if later - earlier >= TOGETHER_S)
+    if span < MIN_DECODE_SPAN_S or 2 * apart < len(arrivals) - 1:
+        return None
+    return (tokens - 1) / span
 
 
 def _event(line: str) -> dict[str, Any] | None:

@@ -4,6 +4,9 @@ The model is assigned as local mode assigns it (`link.local.sizing`), with `--ba
 engine block's base arguments and no tiers (the baseline it must beat, as base args plus tier
 would be), planned and provisioned as the node does (model download, engine install), then
 tuned under the data folder's lock: nothing else may start engines from the folder meanwhile.
+
+`--space` is a coordinator's `tune.space`, checked by the contract's own parser (the same bounds
+and refusals), and `--minutes` sets how hard each measurement works (`TunerSettings.for_budget`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from worker.hardware.model import Machine
 from worker.link.local.sizing import LocalModelError, local_assignment
 from worker.measure.gpu_watch import GpuWatch
 from worker.measure.tuned import TunedStore, TuneKey, machine_key
-from worker.node.tuner import TuneReport, Tuner
+from worker.node.tuner import TuneReport, Tuner, TunerSettings
 from worker.node.tuning import report_message
 from worker.plan.planner import EnginePlan, Plan, Refusal, plan
 from worker.provision.assignment import provision
@@ -33,8 +36,31 @@ from worker.provision.errors import ProvisionError
 from worker.system.config import Paths, Settings
 from worker.system.datalock import DataFolderLock
 
+MAX_SPACE_CHARS = 64 * 1024  # a space's JSON text (a coordinator's whole tune block fits in its frame)
+
+
 class TuneInputError(Exception):
     """The model, engine or arguments given cannot be tuned here; the message says why."""
+
+
+def tune_spec(minutes: float, trials: int, space: str | None) -> protocol.TuneSpec:
+    """The tune block `--minutes`, `--trials` and `--space` make, checked as a coordinator's is:
+    `protocol.TuneRefused` (or `TuneInputError` for text that is no JSON object) says why not."""
+    raw: dict[str, Any] = {"budget": {"max_minutes": minutes, "max_trials": trials}}
+    if space is not None:
+        if len(space) > MAX_SPACE_CHARS:
+            raise TuneInputError(f"--space is over {MAX_SPACE_CHARS} characters")
+        try:
+            raw["space"] = json.loads(space)
+        except (ValueError, RecursionError) as exc:
+            raise TuneInputError(f"--space is not JSON: {str(exc)[:200]}") from None
+        if not isinstance(raw["space"], dict):
+            raise TuneInputError('--space must be a JSON object, as {"-np": {"min": 1, "max": 8}}')
+    parsed = protocol.parse_tune(raw)
+    if isinstance(parsed, protocol.TuneRefused):
+        raise parsed
+    assert parsed is not None
+    return parsed
 
 
 def assignment(machine: Machine, model: str, engine: str | None, base_args: str | None,
@@ -61,9 +87,10 @@ def assignment(machine: Machine, model: str, engine: str | None, base_args: str 
 
 
 async def tune_here(paths: Paths, settings: Settings, model: str, *, engine: str | None, base_args: str | None,
-                    minutes: float, trials: int, engine_bins: Mapping[str, str], as_json: bool) -> int:
+                    minutes: float, trials: int, engine_bins: Mapping[str, str], as_json: bool,
+                    space: str | None = None) -> int:
     """Tune `model` here and print the report; the exit status."""
-    spec = protocol.TuneSpec(budget=protocol.TuneBudget(max_minutes=minutes, max_trials=trials))
+    spec = tune_spec(minutes, trials, space)
     paths.ensure()
     lock = DataFolderLock(paths)
     lock.acquire()
@@ -94,16 +121,22 @@ async def _tune(planned: Plan, engine_plan: EnginePlan, spec: protocol.TuneSpec,
 
     async def share(ep: EnginePlan) -> float | None:
         return await gpus.memory_share(machine, ep, settings)
+    measuring = TunerSettings.for_budget(spec.budget.max_minutes)
     tuner = Tuner(engine_plan, spec, machine, paths=paths, store=TunedStore(paths.data_dir), key=key,
                   progress=lambda trial, most: print(f"trial {trial} of {most}", file=sys.stderr, flush=True),
-                  gpu_released=gpus.released if gpus.nvml is not None else None, remeasure=share)
-    return shown(planned.assignment_id, engine_plan.engine_id, engine_plan.args, await tuner.run())
+                  settings=measuring, gpu_released=gpus.released if gpus.nvml is not None else None,
+                  remeasure=share)
+    return shown(planned.assignment_id, engine_plan.engine_id, engine_plan.args, await tuner.run(), measuring)
 
 
-def shown(assignment_id: str, engine_id: str, baseline: tuple[str, ...], report: TuneReport) -> dict[str, Any]:
-    """The `tune.report` as the coordinator would get it, with the gain, the time, and each trial's
-    arguments, result and figures (the baseline's first)."""
+def shown(assignment_id: str, engine_id: str, baseline: tuple[str, ...], report: TuneReport,
+          measuring: TunerSettings | None = None) -> dict[str, Any]:
+    """The `tune.report` as the coordinator would get it, with the gain, the time, each trial's
+    arguments, result and figures (the baseline's first), and how hard it measured."""
     out: dict[str, Any] = report_message(assignment_id, engine_id, baseline, report).model_dump(mode="json")
+    if measuring is not None:
+        out["measuring"] = {"repeats": measuring.repeats, "pairs": measuring.pairs, "blocks": measuring.blocks,
+                            "run_s": measuring.run_s}
     out.update(gain_pct=report.gain_pct, noise_pct=report.noise_pct, elapsed_s=round(report.elapsed_s, 1),
                trials=[{"args": list(t.args), "result": t.result,
                         "levels": [vars(level) for level in t.levels]} for t in report.trials])

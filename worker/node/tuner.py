@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 OOM_ENDS = frozenset({"oom", "context"})  # a start that did not fit: the frontier learns from it
 LOG_TAIL_BYTES = 4 << 20  # the most of a trial's log read for trap lines
 MIN_TOK_S = 1e-3  # a run that produced nothing, as a positive figure for the adoption rule
+BUDGET_MINUTES = 15.0  # the budget `TunerSettings`' defaults are for
+MIN_BLOCKS = 3  # engine starts per config in a re-measure: two cannot tell a start's shift from a gain
+MAX_PAIRS = 24
 PASSED = "passed"  # the journal's mark of a candidate that passed its checks (its fate decided at the end)
 
 
@@ -62,6 +65,18 @@ class TunerSettings:
     blocks: int = 4  # engine starts per config during the re-measure (pairs are split among them)
     run_s: float = 3.0  # a run of one level lasts at least this long
     ready_timeout_s: float = 1800.0
+
+    @classmethod
+    def for_budget(cls, minutes: float) -> TunerSettings:
+        """How hard a tuning of `minutes` measures, the defaults at `BUDGET_MINUTES`: a longer
+        budget buys more pairs and blocks in the re-measure and longer runs (a decision less at
+        the mercy of one start or one busy second), a shorter one cheaper trials, so that some
+        candidates still fit; never under `MIN_BLOCKS` blocks, which a start's shift needs."""
+        scale = minutes / BUDGET_MINUTES
+        pairs = min(MAX_PAIRS, max(2 * MIN_BLOCKS, round(adoption.REPEATS * scale)))
+        repeats = 1 if scale < 1 / 3 else 2 if scale < 2 / 3 else 3
+        return cls(repeats=repeats, pairs=pairs, blocks=max(MIN_BLOCKS, pairs // 3),
+                   run_s=round(min(2 * cls.run_s, max(cls.run_s / 2, cls.run_s * scale ** 0.5)), 2))
 
 
 @dataclass(frozen=True)
@@ -210,8 +225,8 @@ def _traps_in(plan: EnginePlan, log_path: str | None) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _rounded(runs: Sequence[float]) -> list[float]:
-    return [round(run, 1) for run in runs]
+def _rounded(blocks: Sequence[Sequence[float]]) -> list[list[float]]:
+    return [[round(run, 1) for run in block] for block in blocks]
 
 
 def peak(levels: Sequence[LevelFigures]) -> LevelFigures | None:
@@ -315,31 +330,45 @@ class _Search:
         t.progress(len(self.trials) - 1, t.trials_max)
         at = peak(best.levels)
         assert at is not None
-        before, after = await self._interleaved(best.args, at.concurrency)
-        decision = adoption.decide(before, after, t._spec.min_gain_pct)
-        log.info("tuning: %s re-measured: %+.1f %% (noise %.1f %%) → %s; baseline %s, candidate %s", " ".join(best.args),
-                 decision.gain_pct, decision.noise_pct, "adopted" if decision.adopted else decision.reason,
-                 _rounded(before), _rounded(after))
+        before, after, decision = await self._interleaved(best.args, at.concurrency)
+        log.info("tuning: %s re-measured in %d blocks: %+.1f %% (noise %.1f %%) → %s; baseline %s, candidate %s",
+                 " ".join(best.args), len(before), decision.gain_pct, decision.noise_pct,
+                 "adopted" if decision.adopted else decision.reason, _rounded(before), _rounded(after))
         self._settle(best, decision)
         if not decision.adopted:
             return self._finished("kept_baseline", decision)
         if t._store is not None and t._key is not None:
-            t._store.keep(t._key, Kept(best.args, decision.gain_pct, decision.noise_pct, statistics.median(after)))
+            runs = [run for block in after for run in block]
+            t._store.keep(t._key, Kept(best.args, decision.gain_pct, decision.noise_pct, statistics.median(runs)))
         return self._finished("adopted", decision, best.args)
 
-    async def _interleaved(self, tuned: tuple[str, ...], concurrency: int) -> tuple[list[float], list[float]]:
+    async def _interleaved(self, tuned: tuple[str, ...], concurrency: int
+                           ) -> tuple[list[list[float]], list[list[float]], adoption.Decision]:
         """`pairs` runs of each at `concurrency`, in blocks: baseline then candidate, each block a
-        fresh start of each, so slow drift falls on both alike."""
+        fresh start of each, so slow drift falls on both alike and a start's shift shows as the
+        blocks' disagreement. While that leaves the result `unstable` and the budget has room,
+        one more block (up to twice as many) tells a gain from a lucky start."""
         s = self.t._settings
         blocks = max(1, min(s.blocks, s.pairs))
         sizes = [s.pairs // blocks + (1 if b < s.pairs % blocks else 0) for b in range(blocks)]
-        before: list[float] = []
-        after: list[float] = []
-        for size in sizes:
+        before: list[list[float]] = []
+        after: list[list[float]] = []
+        while True:
+            size = sizes[len(before) % len(sizes)]
             for tuned_args, out in (((), before), (tuned, after)):
-                runs = await self._runs(tuned_args, concurrency, size)
-                out.extend(runs)
-        return before, after
+                out.append(await self._runs(tuned_args, concurrency, size))
+            if len(before) < len(sizes):
+                continue
+            decision = adoption.decide_blocks(before, after, self.t._spec.min_gain_pct)
+            if (decision.reason != adoption.UNSTABLE or len(before) >= 2 * len(sizes)
+                    or not self._time_for_block(size)):
+                return before, after, decision
+            log.info("tuning: %s unstable after %d blocks (%+.1f %%, noise %.1f %%): one more",
+                     " ".join(tuned), len(before), decision.gain_pct, decision.noise_pct)
+
+    def _time_for_block(self, size: int) -> bool:
+        """Room for one more block of `size` runs of each config within the budget."""
+        return self.t._clock() + self.trial_s * 2 * (size + 1) <= self.deadline
 
     async def _runs(self, tuned: Sequence[str], concurrency: int, count: int) -> list[float]:
         """`count` runs at `concurrency` on one start of the engine: each run's aggregate tok/s."""

@@ -36,6 +36,7 @@ from worker.provision.errors import ProvisionError
 from worker.provision.hosts import download_client
 from worker.provision.problems import Downloader, fetch
 from worker.provision.progress import ProgressCallback
+from worker.provision.transfer import TransferControl
 from worker.system import wsl
 from worker.system.config import Paths
 
@@ -57,6 +58,7 @@ async def ensure_engine(
     downloader: Downloader | None = None,
     release_api: str | None = None,
     releases: Releases | None = None,
+    control: TransferControl | None = None,
 ) -> EngineInstall:
     """Find or install `engine` at `version` (None: the newest installed, else the default); raises `ProvisionError`.
 
@@ -65,7 +67,9 @@ async def ensure_engine(
     `use_wsl` None means: inside WSL2 (`wsl_distro`) where `machine_os` (None: this machine's) is
     Windows and the engine does not run on Windows itself.
     `index_url`/`find_links` choose where pip looks (a folder of wheels offline), `release_api`
-    where a release's assets are downloaded (llama.cpp: a template with `{build}` and `{name}`); downloads go through `downloader` (one is made if not given).
+    where a release's assets are downloaded (llama.cpp: a template with `{build}` and `{name}`); downloads go through `downloader` (one is made if not given, obeying
+    `control`: held, paced, counted, cancelled). What pip fetches for an engine is pip's own traffic:
+    not held, paced or counted.
     """
     adapter = registry.get(engine) if engine in registry.names() else None
     shipped = releases if releases is not None or adapter is None else adapter.RELEASES
@@ -76,7 +80,7 @@ async def ensure_engine(
         raise ProvisionError(_no_installer(engine))
     wsl = in_wsl(adapter.RUNTIMES, machine_os or host_os()) if use_wsl is None else use_wsl
     place = wsl_place(adapter.DISPLAY_NAME, wsl_distro) if wsl else InstallPlace(paths.engines_dir)
-    async with _downloader(downloader) as loader:
+    async with _downloader(downloader, control) as loader:
         request = InstallRequest(
             version, shipped, place, on_progress, loader.client, partial(fetch, loader, on_progress=on_progress),
             runtime=runtime, accelerator=accelerator, cuda_driver=cuda_driver, base_python=python,
@@ -118,12 +122,12 @@ def wsl_place(name: str, distro: str | None, *,
 
 
 @asynccontextmanager
-async def _downloader(given: Downloader | None) -> AsyncIterator[Downloader]:
+async def _downloader(given: Downloader | None, control: TransferControl | None) -> AsyncIterator[Downloader]:
     if given is not None:
         yield given
         return
     async with download_client() as client:  # public https hosts only, each redirect checked
-        yield Downloader(client)
+        yield Downloader(client, control=control)
 
 
 def _no_installer(engine: str) -> Problem:

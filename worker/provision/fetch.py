@@ -11,6 +11,13 @@ Redirects are followed here, one hop at a time (at most `MAX_REDIRECTS`), each `
 before anything connects to it (`worker.provision.hosts`: https, a public host name; the client from
 `download_client` then checks the addresses). A failure carries facts for the caller's own words,
 and none of them is something a server sent that the caller should repeat: no body, no hash of one.
+
+Every chunk passes the node's `TransferControl` (`worker.provision.transfer`): while it holds
+downloads nothing is read (the connection stays open; if the server closes it meanwhile, the
+download resumes from the `.part` once released, and that attempt is not a failure), the speed is
+paced to the limit, and the bytes count against the monthly budget. The announced size is checked
+against the budget before the first byte is read: one that would pass it closes the connection and
+waits for the next month. A cancel raises `DownloadCancelled` and removes the `.part`.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import httpx
 
 from worker.system.config import private_opener, replace_file
 from worker.provision.hosts import HostRefused, url_refusal
+from worker.provision.transfer import DownloadCancelled, TransferControl
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +121,14 @@ class _Retry(Exception):
     """This attempt ended early but the next one may succeed (the `.part` says where to resume)."""
 
 
+class _NotYet(Exception):
+    """The announced bytes still to come would pass this month's budget (or a hold came): wait, then ask again."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(f"{nbytes} bytes must wait")
+        self.nbytes = nbytes
+
+
 def disk_free(folder: Path) -> int:
     """Free bytes on the disk that holds `folder` (or its nearest existing parent)."""
     probe = folder
@@ -164,8 +180,10 @@ class Downloader:
         attempts: int = 4,
         retry_delay_s: float = 1.0,
         margin_bytes: int = SPACE_MARGIN_BYTES,
+        control: TransferControl | None = None,
     ) -> None:
         self.client = client
+        self.control = control or TransferControl()  # none given: nothing holds, paces or counts
         self._free_bytes = free_bytes
         self._sleep = sleep
         self._attempts = attempts
@@ -173,32 +191,46 @@ class Downloader:
         self._margin_bytes = margin_bytes
 
     async def fetch(self, url: str, dest: Path, meter: Meter, *, sha256: str, max_bytes: int | None) -> Path:
-        """Download `url` to `dest` (replacing it) and return `dest`; raises one of `FAILURES`.
+        """Download `url` to `dest` (replacing it) and return `dest`; raises one of `FAILURES`,
+        `DownloadCancelled` or `transfer.BudgetExceeded`.
 
         A body that would pass `max_bytes` stops there, whether or not the server announced a
         length; one announced over it is refused before its first byte is read.
         """
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(dest.name + ".part")
-        try:
-            await self._transfer_with_retries(url, part, meter, max_bytes)
-            await check_sha256(part, sha256)
-        except (TooLarge, Damaged):
-            part.unlink(missing_ok=True)
-            raise
+        with self.control.transfer():
+            try:
+                await self._transfer_with_retries(url, part, meter, max_bytes)
+                self.control.check_cancelled()
+                await check_sha256(part, sha256)
+                self.control.check_cancelled()
+            except (TooLarge, Damaged, DownloadCancelled):
+                part.unlink(missing_ok=True)
+                raise
         replace_file(part, dest)
         return dest
 
     async def _transfer_with_retries(self, url: str, part: Path, meter: Meter, max_bytes: int | None) -> None:
-        reason = "cut short"
-        for attempt in range(1, self._attempts + 1):
+        """Attempts until one completes; an attempt cut while the control held it is not counted."""
+        reason, failures = "cut short", 0
+        while failures < self._attempts:
+            waits = self.control.waits
             try:
+                await self.control.wait_until_free_async(0, lambda: meter.update(_size(part)))
                 await self._transfer(url, part, meter, max_bytes)
                 return
+            except _NotYet as over:
+                await self.control.wait_until_free_async(over.nbytes, lambda: meter.update(_size(part)))
+                continue
             except (httpx.TransportError, _Retry) as exc:
                 reason = str(exc) or type(exc).__name__
-            if attempt < self._attempts:
-                delay = self._retry_delay_s * 2 ** (attempt - 1)
+            if self.control.waits != waits:
+                log.info("download from %s was cut while it waited (%s); resuming", _host(url), reason)
+                continue
+            failures += 1
+            if failures < self._attempts:
+                delay = self._retry_delay_s * 2 ** (failures - 1)
                 log.info("download from %s interrupted (%s); resuming in %.1f s", _host(url), reason, delay)
                 await self._sleep(delay)
         log.warning("download from %s failed %d times, the last: %s", _host(url), self._attempts, reason)
@@ -222,8 +254,10 @@ class Downloader:
             expected = total if total is not None else max_bytes
             if expected is not None:
                 check_free_space(part.parent, expected - start + self._margin_bytes, self._free_bytes)
+            if total is not None and not self.control.free_for(total - start):
+                raise _NotYet(total - start)
             meter.start(start, total)
-            done = await _write_body(response, part, start, meter, max_bytes)
+            done = await _write_body(response, part, start, meter, max_bytes, self.control)
         if total is not None and done != total:
             raise _Retry(f"got {done} of {total} bytes")
 
@@ -262,12 +296,13 @@ def _joined(base: httpx.URL, reference: str) -> httpx.URL:
 
 
 async def _write_body(
-    response: httpx.Response, part: Path, offset: int, meter: Meter, max_bytes: int | None
+    response: httpx.Response, part: Path, offset: int, meter: Meter, max_bytes: int | None, control: TransferControl
 ) -> int:
-    """Append the body to the `.part`; bytes received before a cut are kept for the resume.
+    """Append the body to the `.part`; bytes received before a cut (or a cancel) are kept for the resume.
 
     A chunk that would take the file past `max_bytes` is never written (the caller deletes the
-    `.part`). Disk writes go to a thread, a block of CHUNK_BYTES at a time.
+    `.part`). Each chunk passes `control` (held, paced, counted) before the next is read. Disk
+    writes go to a thread, a block of CHUNK_BYTES at a time.
     """
     done = offset
     pending = bytearray()
@@ -276,8 +311,9 @@ async def _write_body(
             async for chunk in response.aiter_raw():
                 if max_bytes is not None and done + len(chunk) > max_bytes:
                     raise TooLarge(max_bytes, None)
-                pending += chunk
+                pending += chunk  # kept even if the wait below ends in a quit or a cancel
                 done += len(chunk)
+                await control.take_async(len(chunk), lambda: meter.update(done))
                 if len(pending) >= CHUNK_BYTES:
                     await asyncio.to_thread(out.write, bytes(pending))
                     pending.clear()

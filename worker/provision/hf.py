@@ -12,6 +12,13 @@ HTTP client: `fetch_repo` installs one whose transport checks every request, eac
 `worker.provision.hosts` does for our own downloads (https, a public host name, public addresses,
 connected to the address checked). Xet transfers are turned off: hf_xet is native code with its own
 HTTP that nothing here can check, and without it the same files come over plain https.
+
+The same transport passes every chunk it receives through the node's `TransferControl`: held while
+downloads are held (huggingface_hub resumes its `.incomplete` file with Range if the server closed the
+idle connection meanwhile), paced to the limit, counted against the monthly budget, cancelled. The
+repo's announced size (the dry run's) is checked against the budget before anything is fetched.
+What it cannot do: huggingface_hub writes its files 10 MiB at a time, and progress is read from the
+disk, so the percent moves in 10 MiB steps (the holds and the pacing act on each network chunk).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import shutil
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +53,12 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped]
 from worker.provision.hosts import PUBLIC_HOSTS, HostPolicy, HostRefused, IPAddress, checked_addresses
 from worker.contract.events import DownloadProgress, Problem
 from worker.provision.cache import tree_size
-from worker.provision.problems import FreeBytes, SizeCap, ensure_free_space, host_refused, too_large
+from worker.provision.problems import (
+    FreeBytes, SizeCap, budget_exceeded, ensure_free_space, host_refused, too_large,
+)
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback, ProgressMeter
+from worker.provision.transfer import BudgetExceeded, DownloadCancelled, TransferControl
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +99,42 @@ def _capped_bar(max_bytes: int) -> type[_SilentBar]:
     return _CappedBar
 
 
+class _ControlledStream(httpx2.SyncByteStream):
+    """A response body whose every chunk passes the control (held, paced, counted) as it is read."""
+
+    def __init__(self, inner: httpx2.SyncByteStream, control: TransferControl, stop: threading.Event) -> None:
+        self._inner = inner
+        self._control = control
+        self._stop = stop
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._inner:
+            self._control.take(len(chunk), stop=self._stop)
+            yield chunk
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 class _GuardedTransport(httpx2.BaseTransport):
     """Every request huggingface_hub sends (each redirect hop is one) checked, then sent to the
-    address that was checked; called in huggingface_hub's worker threads, so the lookup may block."""
+    address that was checked; called in huggingface_hub's worker threads, so the lookup may block.
+    Every response body is read through `control` (`stop` set: the caller gave up, a wait ends)."""
 
-    def __init__(self, hosts: HostPolicy, inner: httpx2.BaseTransport) -> None:
+    def __init__(self, hosts: HostPolicy, inner: httpx2.BaseTransport, control: TransferControl,
+                 stop: threading.Event) -> None:
         self._hosts = hosts
         self._inner = inner
+        self._control = control
+        self._stop = stop
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = self._send(request)
+        if isinstance(response.stream, httpx2.SyncByteStream):
+            response.stream = _ControlledStream(response.stream, self._control, self._stop)
+        return response
+
+    def _send(self, request: httpx2.Request) -> httpx2.Response:
         url = request.url
         try:
             addresses = checked_addresses(self._hosts, url.scheme, url.raw_host, url.port)
@@ -125,12 +162,16 @@ def _pinned(request: httpx2.Request, address: IPAddress) -> httpx2.Request:
     )
 
 
-def guard_hub(hosts: HostPolicy = PUBLIC_HOSTS, verify: ssl.SSLContext | bool = True) -> None:
-    """Make huggingface_hub's shared client one whose every request goes only where `hosts` allows."""
+def guard_hub(hosts: HostPolicy = PUBLIC_HOSTS, verify: ssl.SSLContext | bool = True,
+              control: TransferControl | None = None, stop: threading.Event | None = None) -> None:
+    """Make huggingface_hub's shared client one whose every request goes only where `hosts` allows,
+    and whose every response is read through `control`."""
+    paced = control or TransferControl()
+    given_up = stop or threading.Event()
 
     def client() -> httpx2.Client:
         return httpx2.Client(
-            transport=_GuardedTransport(hosts, httpx2.HTTPTransport(verify=verify)),
+            transport=_GuardedTransport(hosts, httpx2.HTTPTransport(verify=verify), paced, given_up),
             event_hooks={"request": [hf_request_event_hook]},  # as huggingface_hub's own client
             follow_redirects=True,  # bounded by max_redirects; every hop passes the transport
             timeout=None,
@@ -177,15 +218,31 @@ async def fetch_repo(
     cap: SizeCap | None = None,
     hosts: HostPolicy = PUBLIC_HOSTS,
     verify: ssl.SSLContext | bool = True,
+    control: TransferControl | None = None,
 ) -> Path:
     """Download (or find in the cache) the repo's snapshot and return its folder.
 
     With a `cap`, a repo whose announced files add up to more is refused before any download, and
     one that brings more while downloading is stopped and its new files deleted. Every request
-    goes only where `hosts` allows (`guard_hub`).
+    goes only where `hosts` allows, every byte through `control` (`guard_hub`); one that would pass
+    the monthly budget waits before it starts. A cancel deletes what it left unfinished and raises
+    `DownloadCancelled`.
     """
-    guard_hub(hosts, verify)
+    control = control or TransferControl()
+    stop = threading.Event()
+    guard_hub(hosts, verify, control, stop)
     existed = request.storage.exists()
+    with control.transfer():
+        return await _fetch_controlled(request, what, on_progress, free_bytes, margin_bytes, clock, poll_s, cap,
+                                       control, stop, existed)
+
+
+async def _fetch_controlled(
+    request: RepoRequest, what: str, on_progress: ProgressCallback, free_bytes: FreeBytes, margin_bytes: int,
+    clock: Callable[[], float], poll_s: float, cap: SizeCap | None, control: TransferControl, stop: threading.Event,
+    existed: bool,
+) -> Path:
+    meter = ProgressMeter(what, on_progress, clock=clock, control=control)
     try:
         files = await _plan_or_none(request)
         if files is None:
@@ -196,9 +253,17 @@ async def fetch_repo(
             raise ProvisionError(too_large(what, cap.max_bytes, cap.said + "; nothing was downloaded"))
         request.cache_dir.mkdir(parents=True, exist_ok=True)
         ensure_free_space(request.cache_dir, missing + margin_bytes, free_bytes, what)
-        meter = ProgressMeter(what, on_progress, clock=clock)
         meter.start(total - missing, total)
-        snapshot = await _download_capped(request, meter, total - missing, total, poll_s, cap, what, existed)
+        await control.wait_until_free_async(missing, lambda: meter.update(total - missing))
+        snapshot = await _download_capped(request, meter, total - missing, total, poll_s, cap, what, existed, stop)
+    except DownloadCancelled:
+        await asyncio.to_thread(_discard_partial, request.storage, existed)
+        meter.cancelled()
+        raise
+    except BudgetExceeded as exc:
+        failure = ProvisionError(budget_exceeded(what, exc))
+        _report_failure(on_progress, what, failure)
+        raise failure from None
     except ProvisionError as exc:
         _report_failure(on_progress, what, exc)
         raise
@@ -240,6 +305,7 @@ async def _download_capped(
     cap: SizeCap | None,
     what: str,
     existed: bool,
+    stop: threading.Event,
 ) -> Path:
     """The download, stopped when it outgrows `cap`: then what it left behind is deleted.
 
@@ -247,9 +313,9 @@ async def _download_capped(
     before (another revision, maybe in use), only the unfinished `.incomplete` files.
     """
     if cap is None:
-        return await _download_watching(request, meter, already, total, poll_s, _SilentBar)
+        return await _download_watching(request, meter, already, total, poll_s, _SilentBar, stop)
     try:
-        return await _download_watching(request, meter, already, total, poll_s, _capped_bar(cap.max_bytes))
+        return await _download_watching(request, meter, already, total, poll_s, _capped_bar(cap.max_bytes), stop)
     except _TooLarge:
         await asyncio.to_thread(_discard_partial, request.storage, existed)
         raise ProvisionError(too_large(what, cap.max_bytes, cap.said)) from None
@@ -264,15 +330,21 @@ def _discard_partial(storage: Path, existed: bool) -> None:
 
 
 async def _download_watching(
-    request: RepoRequest, meter: ProgressMeter, already: int, total: int, poll_s: float, bar: type[_SilentBar]
+    request: RepoRequest, meter: ProgressMeter, already: int, total: int, poll_s: float, bar: type[_SilentBar],
+    stop: threading.Event,
 ) -> Path:
-    """Run the download in a thread; meanwhile report the bytes that have landed in the repo folder."""
+    """Run the download in a thread; meanwhile report the bytes that have landed in the repo folder.
+    Given up on (the node stops), the thread is told (`stop`), so a held download does not wait on."""
     size_before = await asyncio.to_thread(_size_or_zero, request.storage)
     task = asyncio.ensure_future(asyncio.to_thread(request.call, bar))
-    while not task.done():
-        await asyncio.wait({task}, timeout=poll_s)
-        landed = await asyncio.to_thread(_size_or_zero, request.storage) - size_before
-        meter.update(min(already + max(landed, 0), total))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll_s)
+            landed = await asyncio.to_thread(_size_or_zero, request.storage) - size_before
+            meter.update(min(already + max(landed, 0), total))
+    except asyncio.CancelledError:
+        stop.set()
+        raise
     return Path(task.result())
 
 

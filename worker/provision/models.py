@@ -50,6 +50,7 @@ from worker.provision.problems import Downloader, SizeCap, fetch
 from worker.engines.installing import human_bytes
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback, ProgressMeter
+from worker.provision.transfer import TransferControl
 from worker.plan.sources import BadSource, ModelSource, check_source, under_system_folder
 from worker.system import wsl
 
@@ -94,25 +95,27 @@ async def ensure_model(
     hf_endpoint: str | None = None,
     options: ModelOptions = ModelOptions(),
     wsl_distro: str | None = None,
+    control: TransferControl | None = None,
 ) -> PurePath:
     """The GGUF file or model folder to start `engine` with; raises `ProvisionError`. With
     `wsl_distro`, the engine runs inside that WSL2 distribution: the model goes there and the
     path returned is the Linux one.
 
     `sha256` is checked for a single file (https or local); a Hugging Face repo is pinned by its
-    `revision` instead. Progress events go to `on_progress` on the calling loop.
+    `revision` instead. Progress events go to `on_progress` on the calling loop. A download obeys
+    `control` (held, paced, counted against the monthly budget, cancelled: `DownloadCancelled`).
     """
     source = _checked(engine_model, engine)
     adapter = registry.get(engine)
     if wsl_distro is not None:
         inside = await _wsl_cache(wsl_distro)
         path = await _fetched(source, engine_model, adapter, ModelCache(inside.host_root), settings, on_progress,
-                              http, hf_endpoint, options)
+                              http, hf_endpoint, options, control)
         return inside.linux_root / path.relative_to(inside.host_root).as_posix()
     if source.kind == "local":
         return await _local_model(Path(source.value), source.sha256, adapter)
     return await _fetched(source, engine_model, adapter, ModelCache(model_cache_root(paths, settings)), settings,
-                          on_progress, http, hf_endpoint, options)
+                          on_progress, http, hf_endpoint, options, control)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ async def _fetched(
     http: httpx.AsyncClient | None,
     hf_endpoint: str | None,
     options: ModelOptions,
+    control: TransferControl | None,
 ) -> Path:
     """The model in `cache` (a local one copied in), downloaded or copied where missing."""
     limit = int(settings.model_cache_limit_gib * GIB)
@@ -156,10 +160,10 @@ async def _fetched(
         local = await _local_model(Path(source.value), source.sha256, adapter)
         path = await _copied_in(local, source.sha256, cache, cap, on_progress, options)
     elif source.kind == "https":
-        path = await _https_model(source, engine_model, cache, limit, cap, on_progress, http, options)
+        path = await _https_model(source, engine_model, cache, limit, cap, on_progress, http, options, control)
     else:
         path = await _hf_model(
-            source, engine_model, adapter, cache, limit, cap, on_progress, hf_endpoint, options
+            source, engine_model, adapter, cache, limit, cap, on_progress, hf_endpoint, options, control
         )
     await asyncio.to_thread(cache.evict, limit, in_use=(*options.in_use, path))
     return path
@@ -298,6 +302,7 @@ async def _https_model(
     on_progress: ProgressCallback,
     http: httpx.AsyncClient | None,
     options: ModelOptions,
+    control: TransferControl | None,
 ) -> Path:
     """The file under the app's own name (its sha256) in the cache: no URL decides where it lands."""
     key = f"gguf:{source.sha256}"
@@ -309,7 +314,8 @@ async def _https_model(
     await asyncio.to_thread(cache.evict, max(0, limit - need), in_use=(*options.in_use, dest))
     async with _client(http, options) as client:
         await fetch(
-            Downloader(client, free_bytes=options.free_bytes, sleep=options.sleep, margin_bytes=options.margin_bytes),
+            Downloader(client, free_bytes=options.free_bytes, sleep=options.sleep, margin_bytes=options.margin_bytes,
+                       control=control),
             source.value,
             dest,
             what=f"model {source.label}",
@@ -343,6 +349,7 @@ async def _hf_model(
     on_progress: ProgressCallback,
     hf_endpoint: str | None,
     options: ModelOptions,
+    control: TransferControl | None,
 ) -> Path:
     from worker.provision.hf import RepoRequest, fetch_repo  # huggingface_hub is slow to import: only when needed
 
@@ -367,6 +374,7 @@ async def _hf_model(
         cap=cap,
         hosts=options.hosts,
         verify=options.verify,
+        control=control,
     )
     await asyncio.to_thread(cache.put, key, request.storage)
     if adapter.MODEL_FORMAT != "gguf":

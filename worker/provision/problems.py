@@ -23,8 +23,10 @@ from worker.contract.events import Problem
 from worker.engines.installing import human_bytes
 from worker.provision.errors import ProvisionError
 from worker.provision.progress import ProgressCallback, ProgressMeter
+from worker.provision.transfer import BudgetExceeded, DownloadCancelled
 
-__all__ = ["Downloader", "FreeBytes", "SizeCap", "ensure_free_space", "fetch", "host_refused", "too_large"]
+__all__ = ["Downloader", "FreeBytes", "SizeCap", "budget_exceeded", "ensure_free_space", "fetch", "host_refused",
+           "too_large"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,16 @@ def host_refused(what: str, exc: HostRefused) -> Problem:
     )
 
 
+def budget_exceeded(what: str, exc: BudgetExceeded) -> Problem:
+    """What a person reads when a download alone is larger than their whole monthly download budget."""
+    return Problem(
+        "Larger than your monthly download limit",
+        f"{what} is {human_bytes(exc.need_bytes)}, more than your monthly download limit of "
+        f"{human_bytes(exc.limit_bytes)}, so it can never start. Raise the limit in Settings.",
+        action="settings",
+    )
+
+
 def too_large(what: str, max_bytes: int, size_said: str) -> Problem:
     """What a person reads when a download outgrew its cap (and was deleted)."""
     return Problem(
@@ -77,16 +89,20 @@ async def fetch(
     size_said: str = "it may be",
     clock: Callable[[], float] = time.monotonic,
 ) -> Path:
-    """Download `url` to `dest` (replacing it) with progress events; raises `ProvisionError`.
+    """Download `url` to `dest` (replacing it) with progress events; raises `ProvisionError`, or
+    `DownloadCancelled` (not a failure: the last event says "cancelled") when the person cancels.
 
     `size_said` says where `max_bytes` comes from and what to do about it ("the 500 MiB the
     assignment gave; ask the network …"), for the message.
     """
-    meter = ProgressMeter(what, on_progress, clock=clock)
+    meter = ProgressMeter(what, on_progress, clock=clock, control=downloader.control)
     try:
         await downloader.fetch(url, dest, meter, sha256=sha256, max_bytes=max_bytes)
-    except download.FAILURES as exc:
-        problem = _problem(exc, what, url, size_said)
+    except DownloadCancelled:
+        meter.cancelled()
+        raise
+    except (*download.FAILURES, BudgetExceeded) as exc:
+        problem = budget_exceeded(what, exc) if isinstance(exc, BudgetExceeded) else _problem(exc, what, url, size_said)
         meter.fail(problem.message)
         raise ProvisionError(problem) from None
     meter.finish()

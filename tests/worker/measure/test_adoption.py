@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.measure.adoption import BELOW_THRESHOLD, REPEATS, UNSTABLE, decide, spread_pct
+from worker.measure.adoption import BELOW_THRESHOLD, REPEATS, UNSTABLE, decide, decide_blocks, spread_pct
+from worker.node.tuner import TunerSettings
 
 SPREADS = Path(__file__).resolve().parents[2] / "fixtures" / "tune" / "llamacpp-cpu-spread.json"
 MIN_GAIN_PCT = 3.0
@@ -84,6 +85,63 @@ def test_the_screening_alone_would_adopt_the_luckiest_of_ten() -> None:
     assert fooled >= 10
 
 
+# --- blocks: each a fresh start of both engines ------------------------------------------------
+
+QUIET_SIGMA = 0.03  # stated: a quiet machine's run-to-run spread, 3 %
+START_SIGMA = 0.15  # stated: a fresh start shifts a config's speed as a whole by 15 % (one sd)
+BLOCKINGS = [(TunerSettings().pairs, TunerSettings().blocks), (6, 2), (6, 3)]  # the tuner's, the real test's
+
+
+def blocked(rng: random.Random, sigma: float, start_sigma: float, pairs: int, blocks: int,
+            factor: float = 1.0) -> list[list[float]]:
+    """`pairs` runs in `blocks` starts, each start's speed shifted as a whole."""
+    sizes = [pairs // blocks + (1 if b < pairs % blocks else 0) for b in range(blocks)]
+    return [[run * math.exp(shift) for run in runs(rng, sigma, size, factor)]
+            for size, shift in ((size, rng.gauss(0, start_sigma)) for size in sizes)]
+
+
+@pytest.mark.parametrize(("pairs", "blocks"), BLOCKINGS)
+def test_a_shift_from_start_to_start_is_noise_too(pairs: int, blocks: int) -> None:
+    """Runs of one start agree closely, starts do not: judged on its runs alone (every run one
+    block) a candidate with no true gain is adopted too often; judged with its blocks, seldom."""
+    rng = random.Random(29)
+    flat = grouped = 0
+    for _ in range(10_000):
+        base, cand = blocked(rng, QUIET_SIGMA, START_SIGMA, pairs, blocks), blocked(rng, QUIET_SIGMA, START_SIGMA, pairs, blocks)
+        flat += decide([r for b in base for r in b], [r for c in cand for r in c], MIN_GAIN_PCT).adopted
+        grouped += decide_blocks(base, cand, MIN_GAIN_PCT).adopted
+    assert flat > 250 and grouped <= 250, (flat, grouped)
+
+
+@pytest.mark.parametrize("sigma", measured_sigmas())
+def test_in_three_blocks_or_more_a_true_gain_of_twice_the_threshold_is_adopted_nine_times_in_ten(sigma: float) -> None:
+    rng = random.Random(30)
+    factor = math.exp(2 * threshold(sigma))
+    for pairs, blocks in BLOCKINGS[::2]:
+        adopted = sum(decide_blocks(blocked(rng, sigma, 0.0, pairs, blocks),
+                                    blocked(rng, sigma, 0.0, pairs, blocks, factor), MIN_GAIN_PCT).adopted
+                      for _ in range(2_000))
+        assert adopted >= 1_800, (pairs, blocks, adopted)
+
+
+def test_blocks_that_disagree_on_the_sign_are_unstable() -> None:
+    steady = [100.0, 101.0, 99.0]
+    decision = decide_blocks([steady, steady, steady], [[r * 1.3 for r in steady], [r * 1.3 for r in steady],
+                                                         [r * 0.98 for r in steady]], MIN_GAIN_PCT)
+    assert decision.gain_pct == pytest.approx(30.0) and not decision.adopted and decision.reason == UNSTABLE
+
+
+def test_two_blocks_must_agree_far_more_closely_than_four() -> None:
+    """Four blocks of +20 %, +30 %, +20 %, +30 % pass; two of +20 % and +30 % are as likely a shift
+    of the starts as a gain."""
+    steady = [100.0, 100.5, 99.5]
+    def gains(*pcts: float) -> tuple[list[list[float]], list[list[float]]]:
+        return [steady] * len(pcts), [[r * (1 + pct / 100) for r in steady] for pct in pcts]
+    assert decide_blocks(*gains(20, 30, 20, 30), MIN_GAIN_PCT).adopted
+    two = decide_blocks(*gains(20, 30), MIN_GAIN_PCT)
+    assert not two.adopted and two.reason == UNSTABLE and two.noise_pct > 15
+
+
 # --- decisions ---------------------------------------------------------------------------------
 
 def test_a_clear_gain_is_adopted_with_its_figures() -> None:
@@ -133,6 +191,14 @@ def test_drift_cancels_pair_by_pair() -> None:
 def test_too_few_unpaired_or_impossible_runs_are_refused(baseline: list[float], candidate: list[float]) -> None:
     with pytest.raises(ValueError):
         decide(baseline, candidate, MIN_GAIN_PCT)
+
+
+@pytest.mark.parametrize(("baseline", "candidate"), [([[100.0], [101.0]], [[110.0, 111.0], []]),
+                                                     ([[100.0, 101.0], []], [[110.0, 111.0], []]),
+                                                     ([[100.0, 101.0]], [[110.0, 111.0], [112.0]])])
+def test_blocks_that_do_not_pair_up_are_refused(baseline: list[list[float]], candidate: list[list[float]]) -> None:
+    with pytest.raises(ValueError):
+        decide_blocks(baseline, candidate, MIN_GAIN_PCT)
 
 
 def test_one_configs_spread_is_robust_and_in_percent() -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.fake_engine import Behaviour, FakeEngine
-from worker.measure.load import Endpoint, kv_slots, ladder, measure, prompt_set, read_prompts, shipped_prompts
+from worker.measure.load import (Endpoint, decode_tok_s, kv_slots, ladder, measure, prompt_set, read_prompts,
+                                 shipped_prompts)
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "tune"
 DELAY_S = 0.01
@@ -42,6 +43,27 @@ async def test_each_level_holds_exactly_its_requests_in_flight(engine: FakeEngin
     assert all(r.headers.get("authorization") == f"Bearer {engine.api_key}" for r in engine.records)
     assert sum(1 for b in bodies if not b["stream"]) == len(prompts.probes)  # the greedy probes, whole
     assert m.greedy and len(m.greedy) == len(prompts.probes)
+
+
+async def test_chunks_read_together_leave_decode_unmeasured_not_fast(tmp_path: Path) -> None:
+    """An engine that writes a whole answer at once: its chunks arrive in one read, microseconds
+    apart, and dividing by that would read thousands of tok/s; decode is not measured (0) instead,
+    while the aggregate and the answer speed still count every token."""
+    async with FakeEngine(behaviour=Behaviour(tokens=20), socket_path=str(tmp_path / "e.sock")) as fake:
+        m = await measure(endpoint(fake), (1, 2), repeats=2, warmup=1, prompts=read_prompts(FIXTURES / "prompts-bytes.json"),
+                          long_prefill_beside=False, run_s=0.2)
+    assert all(lv.per_request_tok_s == 0.0 and lv.aggregate_tok_s > 0 and lv.answer_tok_s > 0 for lv in m.levels)
+
+
+def test_decode_is_timed_only_over_a_span_of_separate_arrivals() -> None:
+    steady = [1.0 + 0.01 * i for i in range(11)]  # 11 tokens 10 ms apart
+    assert decode_tok_s(11, steady) == pytest.approx(100.0)
+    assert decode_tok_s(11, [1.0 + 1e-6 * i for i in range(11)]) is None  # one read
+    assert decode_tok_s(11, [1.0] + [1.03 + 1e-6 * i for i in range(10)]) is None  # two reads, 30 ms apart
+    assert decode_tok_s(4, [1.0, 1.004, 1.008, 1.012]) is None  # 12 ms: too short to time
+    assert decode_tok_s(1, [1.0]) is None and decode_tok_s(5, [1.0]) is None
+    uneven = [1.0, 1.01, 1.02, 1.02, 1.03, 1.04]  # one pair together among steady ones: still timed
+    assert decode_tok_s(6, uneven) == pytest.approx(125.0)
 
 
 async def test_a_long_prefill_runs_beside_levels_one_and_two_only(engine: FakeEngine) -> None:

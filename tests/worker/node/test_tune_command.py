@@ -13,8 +13,8 @@ from worker.hardware.model import Machine
 from worker.measure.load import LevelFigures, Measurement
 from worker.measure.tuned import TrialRecord
 from worker.node.cli import main
-from worker.node.tune_command import TuneInputError, assignment, shown
-from worker.node.tuner import TuneReport
+from worker.node.tune_command import TuneInputError, assignment, shown, tune_spec
+from worker.node.tuner import TuneReport, TunerSettings
 
 CPU = Machine(os="linux", runtime="cpu", arch="x86_64", cpu_model="EPYC", cpu_cores=2, ram_mib=8192)
 SPEC = protocol.TuneSpec(budget=protocol.TuneBudget(max_minutes=5, max_trials=3))
@@ -65,3 +65,43 @@ def test_the_report_has_the_wire_shape_with_gain_time_and_every_trial() -> None:
         ([], "baseline"), (["-np", "2"], "lost:gate"), (["-np", "4", "-c", "16384"], "adopted"), (["-np", "8"], "oom_start")]
     assert out["trials"][1]["levels"][0]["aggregate_tok_s"] == 95.2
     assert "Mercury" not in json.dumps(out)  # no answers in a report
+
+
+@pytest.mark.parametrize(("space", "reason"), [
+    ("{\"-np\": ", "--space is not JSON"),
+    ("[1, 2]", "--space must be a JSON object"),
+    ("[" * 100_000, "--space is over"),
+    ('{"-np": {"min": 1, "max": 8, "step": 2}}', "invalid tune block: space.-np"),
+    ('{"-np": {"min": "1"}}', "invalid tune block: space.-np.min"),
+    (json.dumps({f"--flag-{i}": {"values": [1]} for i in range(200)}), "the tune block's space has more than"),
+])
+def test_a_bad_space_exits_2_with_the_reason_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   space: str, reason: str) -> None:
+    code = main(["tune", "--data-dir", str(tmp_path / "data"), "--model", model(tmp_path), "--space", space])
+    assert code == 2 and reason in json.loads(capsys.readouterr().out)["error"]
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_budget_out_of_the_contracts_bounds_is_refused_as_a_coordinators_would_be(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["tune", "--data-dir", str(tmp_path / "data"), "--model", model(tmp_path), "--minutes", "0"])
+    assert code == 2 and "budget.max_minutes" in json.loads(capsys.readouterr().out)["error"]
+    assert not (tmp_path / "data").exists()
+
+
+def test_the_space_is_the_contracts_tune_space() -> None:
+    spec = tune_spec(5, 3, '{"-np": {"min": 1, "max": 8}, "-b": {"values": [1024, 4096]}}')
+    assert spec.budget == protocol.TuneBudget(max_minutes=5, max_trials=3)
+    assert spec.space == {"-np": protocol.SpaceEntry(min=1, max=8), "-b": protocol.SpaceEntry(values=(1024, 4096))}
+    assert tune_spec(5, 3, None).space == {}
+
+
+def test_a_longer_budget_measures_more_and_a_shorter_one_less() -> None:
+    """The defaults at 15 minutes; 5 buys cheaper trials (still three starts of each config in the
+    re-measure), 60 more pairs and blocks and longer runs."""
+    short, usual, long = (TunerSettings.for_budget(m) for m in (5, 15, 60))
+    assert usual == TunerSettings()
+    assert short.repeats < usual.repeats and short.pairs < usual.pairs and short.run_s < usual.run_s
+    assert long.pairs > usual.pairs and long.blocks > usual.blocks and long.run_s > usual.run_s
+    assert all(s.blocks >= 3 and s.pairs >= s.blocks for s in (TunerSettings.for_budget(m) for m in (0.1, 1, 5, 24 * 60)))
+    assert TunerSettings.for_budget(24 * 60).pairs <= 24 and TunerSettings.for_budget(24 * 60).run_s <= 6
