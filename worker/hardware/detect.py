@@ -53,8 +53,14 @@ def card_usable_mib(index: int, free_mib: int, total_mib: int, settings: Setting
     never above `floor(total × share ÷ 100) − memory_reserve_mib`, whatever is free, so the rest
     stays the desktop's and games'. A 24,564 MiB card lent at 50 % gives at most 11,770 MiB; at
     100 % (no limit) the cap is above any free reading and changes nothing."""
-    lent = total_mib * settings.memory_share(index) // 100 - settings.memory_reserve_mib
-    return max(0, min(usable_mib(free_mib, settings), lent))
+    lent = share_cap_mib(total_mib, settings.memory_share(index), settings.memory_reserve_mib)
+    return min(usable_mib(free_mib, settings), lent)
+
+
+def share_cap_mib(total_mib: int, pct: int, reserve_mib: int) -> int:
+    """The most an engine may use of a card lent at `pct` %: the rest is the desktop's (and the
+    reserve goes to the engine's CUDA context). Shared by detection and the Settings preview."""
+    return max(0, total_mib * pct // 100 - reserve_mib)
 
 
 def with_shares(machine: Machine, settings: Settings) -> Machine:
