@@ -1,15 +1,21 @@
 """Charts (pyqtgraph): live series pulled from the core's history once a second while visible,
-and the last 30 days of net earnings. Colours come from the theme and follow its changes."""
+and the last 30 days of net earnings. Colours come from the theme and follow its changes; text
+sizes are multiples of the system font's, as the rest of the app's are.
+
+Axes are honest: every live value axis starts at 0 and reads in the series' own unit (no SI
+prefixes: a flat idle line is "0 tok/s", not "mtok/s" from −400 to 400), and a day that lost
+money is a red bar below the line."""
 
 from __future__ import annotations
 
 import datetime as dt
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import pyqtgraph as pg
 from PySide6.QtCore import QTimer
-from PySide6.QtGui import QFontMetrics, QHideEvent, QShowEvent
+from PySide6.QtGui import QFont, QFontMetrics, QGuiApplication, QHideEvent, QShowEvent
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from app import theme
@@ -24,41 +30,71 @@ REFRESH_MS = 1000
 IDLE_REDRAW_S = 30.0  # how often the window slides (5 % of it): an idle node's only repaint
 RECENT_S = 3.0  # how far back a refresh looks to see whether a line changed
 PLOT_HEIGHT = 180
+HEADROOM = 1.15  # a growing axis reaches this far above the highest point
+# text sizes, as multiples of the system font's (the stylesheet's captions are 0.9)
+TITLE_SCALE = 0.9
+TICK_SCALE = 0.85
 
 pg.setConfigOptions(antialias=True)
 
-# plot key: (title, unit, y range or None to follow the data); GPU plots get a line per GPU
-PLOTS: dict[str, tuple[str, str, tuple[float, float] | None]] = {
-    "tokens_per_s": ("Tokens per second", "tok/s", None),
-    "kv_usage": ("Chat memory in use", "%", (0, 100)),
-    "util_pct": ("GPU busy", "%", (0, 100)),
-    "power_w": ("GPU power", "W", None),
-    "temperature_c": ("GPU temperature", "°C", None),
+
+@dataclass(frozen=True)
+class PlotSpec:
+    """One live chart: its title, the unit its axis reads in, and how far the axis reaches at
+    least (from 0; `fixed`: exactly, for percentages), so a flat line sits at its height."""
+
+    title: str
+    unit: str
+    top: float
+    fixed: bool = False
+
+
+# GPU plots get a line per GPU
+PLOTS: dict[str, PlotSpec] = {
+    "tokens_per_s": PlotSpec("Tokens per second", "tok/s", 10.0),
+    "kv_usage": PlotSpec("Chat memory in use", "%", 100.0, fixed=True),
+    "util_pct": PlotSpec("GPU busy", "%", 100.0, fixed=True),
+    "power_w": PlotSpec("GPU power", "W", 100.0),
+    "temperature_c": PlotSpec("GPU temperature", "°C", 100.0),
 }
 GPU_PLOTS = ("util_pct", "power_w", "temperature_c")
+
+
+def point_size(scale: float) -> float:
+    """A chart text size following the system font, as the stylesheet's sizes do."""
+    app = QGuiApplication.instance()
+    base = theme.base_point_size(app) if isinstance(app, QGuiApplication) else theme.DEFAULT_POINT_SIZE
+    return base * scale
 
 
 def _style_plot(plot: pg.PlotItem | pg.PlotWidget, title: str, c: theme.Colours) -> None:
     item = plot.getPlotItem() if isinstance(plot, pg.PlotWidget) else plot
     if title:
-        item.setTitle(title, size="9pt", color=c.text)
+        item.setTitle(title, size=f"{point_size(TITLE_SCALE):.1f}pt", color=c.text)
+    tick_font = QFont()
+    tick_font.setPointSizeF(point_size(TICK_SCALE))
     for side in ("left", "bottom"):
         axis = item.getAxis(side)
         axis.setPen(pg.mkPen(c.chart_fg))
         axis.setTextPen(pg.mkPen(c.chart_fg))
+        axis.setStyle(tickFont=tick_font)
+        if axis.labelText or axis.labelUnits:
+            axis.setLabel(axis.labelText, units=axis.labelUnits, **{"font-size": f"{point_size(TICK_SCALE):.1f}pt"})
 
 
-def _plot(title: str, unit: str, y_range: tuple[float, float] | None) -> pg.PlotWidget:
+def _plot(spec: PlotSpec) -> pg.PlotWidget:
     plot = pg.PlotWidget(axisItems={"bottom": pg.DateAxisItem(orientation="bottom")})
     plot.setMenuEnabled(False)
     plot.setMouseEnabled(x=False, y=False)
     plot.hideButtons()
     plot.showGrid(x=False, y=True, alpha=0.15)
-    plot.setLabel("left", units=unit)
-    if y_range is not None:
-        plot.setYRange(*y_range, padding=0.02)
+    left = plot.getAxis("left")
+    left.enableAutoSIPrefix(False)  # "0 tok/s", never "mtok/s"
+    plot.setLabel("left", units=spec.unit)
+    plot.setYRange(0, spec.top, padding=0)
     plot.setFixedHeight(PLOT_HEIGHT)
     plot.setMinimumWidth(200)
+    plot.setAccessibleName(f"{spec.title} chart, last ten minutes")
     return plot
 
 
@@ -76,7 +112,7 @@ class LiveCharts(QWidget):
         self.empty_note.setObjectName("muted")
         self.empty_note.setWordWrap(True)
         outer.addWidget(self.empty_note)
-        self.plots = {key: _plot(title, unit, y_range) for key, (title, unit, y_range) in PLOTS.items()}
+        self.plots = {key: _plot(spec) for key, spec in PLOTS.items()}
         self.grid = Reflow(list(self.plots.values()), columns=2)
         outer.addWidget(self.grid)
         self.curves: dict[str, pg.PlotDataItem] = {
@@ -103,7 +139,7 @@ class LiveCharts(QWidget):
                 plot.removeItem(self.curves.pop(series))
                 self._drawn.pop(series, None)
             if plot.plotItem.legend is None and len(self.gpus) > 1:
-                plot.addLegend(offset=(8, 4), labelTextSize="8pt")
+                plot.addLegend(offset=(8, 4))
             for i in self.gpus:
                 self.curves[f"gpu{i}.{key}"] = plot.plot(name=f"GPU {i}")
             plot.setVisible(bool(self.gpus))
@@ -113,10 +149,11 @@ class LiveCharts(QWidget):
         c = theme.colours()
         for key, plot in self.plots.items():
             plot.setBackground(c.chart_bg)
-            _style_plot(plot, PLOTS[key][0], c)
+            _style_plot(plot, PLOTS[key].title, c)
             legend = plot.plotItem.legend
             if legend is not None:
                 legend.setLabelTextColor(c.text)
+                legend.setLabelTextSize(f"{point_size(TICK_SCALE):.1f}pt")
                 legend.setBrush(pg.mkBrush(c.chart_bg + "CC"))
         for series, curve in self.curves.items():
             colour = _series_colour(series, c)
@@ -133,6 +170,7 @@ class LiveCharts(QWidget):
         now = self._clock()
         slide = now - self._slid_at >= IDLE_REDRAW_S
         has_data = False
+        redrawn: set[str] = set()
         for series, curve in self.curves.items():
             recent = self._history(series, RECENT_S)
             newest = recent[-1][1] if recent else None
@@ -144,6 +182,9 @@ class LiveCharts(QWidget):
             self._drawn[series] = (newest, bool(history))
             has_data = has_data or bool(history)
             curve.setData([t for t, _ in history], [v for _, v in history])
+            redrawn.add(series.rsplit(".", 1)[-1])
+        for key in redrawn:
+            self._fit_values(key)
         if slide:
             self._slid_at = now
             for plot in self.plots.values():
@@ -151,6 +192,17 @@ class LiveCharts(QWidget):
         if self.grid.isHidden() == has_data:  # only on a change: showing or hiding re-lays out the window
             self.grid.setVisible(has_data)
             self.empty_note.setVisible(not has_data)
+
+    def _fit_values(self, key: str) -> None:
+        """The value axis from 0 to the highest point drawn (with headroom), at least to the
+        plot's `top`: a flat idle line reads 0 at the bottom, not a sliver mid-chart."""
+        spec = PLOTS[key]
+        if spec.fixed:
+            return
+        peak = max((float(y.max()) for series, curve in self.curves.items()
+                    if series.rsplit(".", 1)[-1] == key and (y := curve.getData()[1]) is not None and len(y)),
+                   default=0.0)
+        self.plots[key].setYRange(0, max(spec.top, peak * HEADROOM), padding=0)
 
     def showEvent(self, event: QShowEvent) -> None:
         super().showEvent(event)
@@ -183,7 +235,8 @@ class MoneyAxis(pg.AxisItem):
 
 
 class EarningsChart(pg.PlotWidget):
-    """Net earnings per day for the last 30 days, a bar per day, the currency on the axis."""
+    """Net earnings per day for the last 30 days, a bar per day (red below zero: a day electricity
+    cost more than serving earned), the currency on the axis."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         self.money_axis = MoneyAxis("USD")
@@ -197,6 +250,7 @@ class EarningsChart(pg.PlotWidget):
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.7, pen=None)
         self.addItem(self.bars)
         self.days: tuple[DayEarnings, ...] = ()
+        self.setAccessibleName("Net earnings per day, last 30 days")
         theme.notifier().changed.connect(self.apply_theme)
         self.apply_theme()
 
@@ -204,13 +258,19 @@ class EarningsChart(pg.PlotWidget):
         c = theme.colours()
         self.setBackground(c.chart_bg)
         _style_plot(self, "", c)
-        self.bars.setOpts(brush=c.series[1])
+        self._paint_bars(c)
+
+    def _paint_bars(self, c: theme.Colours) -> None:
+        """Green for a day that earned, the theme's error red for one that lost."""
+        colours = [c.error if d.net < 0 else c.series[1] for d in self.days]
+        self.bars.setOpts(brushes=[pg.mkBrush(colour) for colour in colours], brush=c.series[1])
 
     def show_days(self, days: Sequence[DayEarnings], currency: str) -> None:
         self.days = tuple(days)
         self.money_axis.currency = currency
         self.money_axis.setTicks(None)  # re-draws the tick labels, in the new currency
         self.bars.setOpts(x=list(range(len(days))), height=[d.net for d in days])
+        self._paint_bars(theme.colours())
         self.getAxis("bottom").setTicks([_day_ticks(days)])
         self.setXRange(-0.6, max(len(days), 1) + 0.6, padding=0)  # room for the "Today" label
         top = max([d.net for d in days] + [0.0])
