@@ -244,6 +244,7 @@ async def _fetch_controlled(
 ) -> Path:
     meter = ProgressMeter(what, on_progress, clock=clock, control=control)
     try:
+        await control.wait_until_free_async(0, lambda: meter.update(0))  # held: not even the file list is asked for
         files = await _plan_or_none(request)
         if files is None:
             return await _cached_snapshot(request, what, on_progress)
@@ -279,6 +280,8 @@ async def _plan_or_none(request: RepoRequest) -> list[Any] | None:
     """The files a download would fetch, or None when the Hub cannot be reached right now."""
     try:
         return await asyncio.to_thread(request.call, dry_run=True)
+    except (DownloadCancelled, BudgetExceeded):
+        raise
     except Exception as exc:
         if _problem(exc, request).action == "check_network":
             return None
