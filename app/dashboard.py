@@ -32,13 +32,10 @@ from app.earnings_panel import EarningsPanel
 from app.engine_card import EngineCard
 from app.format import (
     STATE_COLOURS,
-    engine_state_words,
     gib,
     groups_words,
     money,
-    pause_line,
     rate,
-    state_title,
     tray_state,
     tuning_line,
 )
@@ -62,6 +59,7 @@ CONNECTION_TITLES = {
 
 
 class Dashboard(QMainWindow):
+    setup_requested = Signal()
     sign_in_requested = Signal()
     settings_requested = Signal()
     logs_requested = Signal()
@@ -140,12 +138,12 @@ class Dashboard(QMainWindow):
         top = QHBoxLayout()
         top.setSpacing(12)
         top.addWidget(self.values.label("app_title", "appTitle", "GPU Provider"))
-        self.state_pill = self.values.label("state", "pill")
-        self.state_pill.setFixedHeight(PILL_HEIGHT)
-        top.addWidget(self.state_pill)
-        top.addStretch(1)
+        self.state_pill = self.values.label("state", "pill", wrap=True)  # the headline: long titles wrap
+        self.state_pill.setMinimumHeight(PILL_HEIGHT)
+        top.addWidget(self.state_pill, 1, Qt.AlignmentFlag.AlignLeft)
         column.addLayout(top)
         column.addWidget(self.values.label("subtitle", "subtitle", wrap=True))
+        column.addWidget(self.values.label("not_earning", "warning", wrap=True))
         buttons = QWidget()
         row = QHBoxLayout(buttons)
         row.setContentsMargins(0, 0, 0, 0)
@@ -154,9 +152,9 @@ class Dashboard(QMainWindow):
             button = QPushButton(text)
             button.clicked.connect(signal.emit)
             row.addWidget(button)
-        self.pause_button = QPushButton()
+        self.pause_button = QPushButton()  # the headline's main action: Pause, Resume, or a failure's remedy
         self.pause_button.setObjectName("primary")
-        self.pause_button.clicked.connect(self._toggle_pause)
+        self.pause_button.clicked.connect(self._main_action)
         row.addWidget(self.pause_button)
         return Reflow([titles, buttons], stretches=[1, 0])
 
@@ -216,19 +214,21 @@ class Dashboard(QMainWindow):
         self._show_connection(snapshot)
 
     def _show_header(self, snapshot: NodeSnapshot) -> None:
-        restarting = [e for e in snapshot.engines if e.state == "starting" and e.failures_in_a_row]
-        tuning = snapshot.tuning is not None and snapshot.tuning.state == "running" and not snapshot.paused
-        title = "Tuning" if tuning else state_title(snapshot)
-        self.values.set("state", engine_state_words(restarting[0]) if restarting else title)
+        """The core's one headline: its title in the state chip, its detail under it, the one reason
+        it earns nothing, and its action as the main button (hidden where there is none)."""
+        h = snapshot.headline
+        self.values.set("state", h.title)
         style = pill_style(STATE_COLOURS[tray_state(snapshot)])
         if self.state_pill.styleSheet() != style:  # re-polishing is costly: only on a change
             self.state_pill.setStyleSheet(style)
-        parts = [pause_line(snapshot)] if snapshot.paused else []
-        if snapshot.stopping:
-            parts.append(f"Stopping… ({snapshot.in_flight} requests finishing)")
-        parts.append(snapshot.model or "No model assigned yet")
-        self.values.set("subtitle", "   ·   ".join(parts))
-        self.pause_button.setText("Resume serving" if snapshot.paused else "Pause serving")
+        self.values.set("subtitle", h.detail)
+        self.values.labels["subtitle"].setVisible(bool(h.detail))
+        not_earning = h.not_earning if h.not_earning not in (None, h.title) else None
+        self.values.set("not_earning", f"Not earning: {not_earning}" if not_earning else "")
+        self.values.labels["not_earning"].setVisible(bool(not_earning))
+        self.pause_button.setText(h.action_label)
+        self.pause_button.setAccessibleName(h.action_label)
+        self.pause_button.setVisible(h.action != "none")
 
     def _show_stats(self, snapshot: NodeSnapshot) -> None:
         t = snapshot.throughput
@@ -333,21 +333,27 @@ class Dashboard(QMainWindow):
 
     # commands -----------------------------------------------------------------------------
 
-    def _toggle_pause(self) -> None:
-        if self.bridge.latest.paused:
-            self.bridge.resume()
-        else:
-            self.bridge.pause()
+    def _main_action(self) -> None:
+        self._run_action(self.bridge.latest.headline.action)
 
     def _problem_action(self, action: str) -> None:
-        signals = {
-            "retry": self.retry_requested,
-            "check_network": self.retry_requested,
-            "sign_in": self.sign_in_requested,
-            "settings": self.settings_requested,
+        self._run_action(action)
+
+    def _run_action(self, action: str) -> None:
+        """One dispatch for the main button and the banner's: a failure's remedy, Pause or Resume."""
+        commands = {
+            "finish_setup": self.setup_requested.emit,
+            "retry": self.retry_requested.emit,
+            "check_network": self.retry_requested.emit,
+            "free_disk": self.retry_requested.emit,
+            "sign_in": self.sign_in_requested.emit,
+            "settings": self.settings_requested.emit,
+            "update": self.update_requested.emit,
+            "resume": self.bridge.resume,
+            "pause": self.bridge.pause,
         }
-        if action in signals:
-            signals[action].emit()
+        if action in commands:
+            commands[action]()
 
     def bring_forward(self) -> None:
         self.show()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from worker.contract.events import EngineSnapshot, GpuSnapshot, NodeSnapshot, PauseReason, Tuned, TuningSnapshot
+from worker.contract.events import EngineSnapshot, GpuSnapshot, HeadlineKind, NodeSnapshot, Tuned, TuningSnapshot
 
 TrayState = Literal["idle", "starting", "serving", "paused", "degraded", "failed"]
 
@@ -18,58 +18,35 @@ STATE_COLOURS: dict[TrayState, str] = {  # white text on each reads at 4.5:1 or 
     "failed": "#DC2626",
 }
 
-_STATE_TITLES: dict[TrayState, str] = {
-    "idle": "Idle",
-    "starting": "Starting",
-    "serving": "Serving",
-    "paused": "Paused",
-    "degraded": "Degraded",
-    "failed": "Failed",
+HEADLINE_STATES: dict[HeadlineKind, TrayState] = {  # the icon's colour and glyph for the core's one state
+    "setup": "paused",  # waiting for the person, as a pause does
+    "detecting": "starting",
+    "stopping": "idle",
+    "signed_out": "failed",  # earns nothing until the person acts
+    "failed": "failed",
+    "offline": "degraded",  # it tries again by itself
+    "paused": "paused",
+    "downloading": "starting",
+    "tuning": "starting",
+    "starting": "starting",
+    "degraded": "degraded",
+    "serving": "serving",
+    "idle": "idle",
 }
 
-_PAUSE_WHY: dict[PauseReason, str] = {
-    "user": "by you",
-    "timed": "by you",
-    "game": "for a game",
-    "schedule": "outside serve hours",
-    "coordinator": "by the network",
-}
+PAUSE_KINDS: frozenset[HeadlineKind] = frozenset({"serving", "starting", "downloading", "tuning", "degraded"})
 
 PHASE_STEPS = ("provisioning", "launching", "loading", "compiling", "capturing", "warming", "ready")
 
 
 def tray_state(snapshot: NodeSnapshot) -> TrayState:
-    """The six states a person tells apart at a glance (a pause wins over what engines do; a
-    running tuning is on its way back to serving, never idle)."""
-    if snapshot.paused:
-        return "paused"
-    if snapshot.tuning is not None and snapshot.tuning.state == "running":
-        return "starting"
-    mapping: dict[str, TrayState] = {
-        "ready": "serving",
-        "starting": "starting",
-        "degraded": "degraded",
-        "failed": "failed",
-        "paused": "paused",
-    }
-    return mapping.get(snapshot.state, "idle")
+    """The six looks a person tells apart at a glance, from the core's one headline."""
+    return HEADLINE_STATES[snapshot.headline.kind]
 
 
-def state_title(snapshot: NodeSnapshot) -> str:
-    return _STATE_TITLES[tray_state(snapshot)]
-
-
-def pause_line(snapshot: NodeSnapshot, now: float | None = None) -> str:
-    """ "Paused for a game", "Paused by you until 14:30", or "" when serving."""
-    if not snapshot.paused:
-        return ""
-    why = _PAUSE_WHY.get(snapshot.pause_reason or "user", "by you")
-    if snapshot.pause_reason == "game" and snapshot.pause_detail:
-        why = f"for {snapshot.pause_detail}"
-    line = f"Paused {why}"
-    if snapshot.pause_until is not None and snapshot.pause_until > (now if now is not None else time.time()):
-        line += " until " + clock_time(snapshot.pause_until, now)
-    return line
+def offers_pause(snapshot: NodeSnapshot) -> bool:
+    """Pausing means something only while the node works (never for a failure, setup or offline)."""
+    return snapshot.headline.kind in PAUSE_KINDS
 
 
 def clock_time(epoch: float, now: float | None = None) -> str:
@@ -79,20 +56,6 @@ def clock_time(epoch: float, now: float | None = None) -> str:
     if moment.tm_yday == today.tm_yday and moment.tm_year == today.tm_year:
         return time.strftime("%H:%M", moment)
     return time.strftime("%a %H:%M", moment)
-
-
-def status_line(snapshot: NodeSnapshot) -> str:
-    """The menu's first line: state, then the model or the reason."""
-    if snapshot.paused:
-        return pause_line(snapshot)
-    if snapshot.tuning is not None and snapshot.tuning.progress:
-        return snapshot.tuning.progress
-    title = state_title(snapshot)
-    if snapshot.model and tray_state(snapshot) in ("serving", "starting", "degraded"):
-        return f"{title} · {snapshot.model}"
-    if snapshot.problem is not None and tray_state(snapshot) == "failed":
-        return f"{title}: {snapshot.problem.title}"
-    return title
 
 
 def gib(mib: float | None) -> str:

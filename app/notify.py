@@ -2,8 +2,8 @@
 
 An incident is a failure until the node serves again, goes idle or is paused: the restarts of a
 crash loop are not news (they may recover); its final failure is told once, and failing again
-after a Retry is the same incident. Every message is one short sentence in the
-person's words; log lines stay in the dashboard's Details and the logs.
+after a Retry is the same incident. A state's notification is titled with the core's headline,
+as the tray and the dashboard show it; every message is one short sentence in the person's words; log lines stay in the dashboard's Details and the logs.
 """
 
 from __future__ import annotations
@@ -49,14 +49,16 @@ def new_notices(previous: NodeSnapshot | None, current: NodeSnapshot) -> tuple[s
 
 
 def failure_notification(snapshot: NodeSnapshot) -> Notification:
-    """The problem's title and one sentence of what to do; never the engine's log line."""
+    """The headline's title (as tray and dashboard say it) and one sentence of what to do; never
+    the engine's log line."""
+    title = snapshot.headline.title
     problem = snapshot.problem
     if problem is None:
-        return Notification("Serving failed", FALLBACK_FAILURE, "critical")
+        return Notification(title, FALLBACK_FAILURE, "critical")
     if problem.retry_at is None:
-        return Notification(problem.title, short_sentence(problem.message), "critical")
+        return Notification(title, short_sentence(problem.message), "critical")
     when = f" Trying again at {clock_time(problem.retry_at, snapshot.at)}."
-    return Notification(problem.title, short_sentence(problem.message, MESSAGE_LIMIT - len(when)) + when, "warning")
+    return Notification(title, short_sentence(problem.message, MESSAGE_LIMIT - len(when)) + when, "warning")
 
 
 class Notifier:
@@ -98,15 +100,14 @@ class Notifier:
         was_game = previous is not None and previous.paused and previous.pause_reason == "game"
         if not (current.paused and current.pause_reason == "game") or was_game:
             return None
-        game = current.pause_detail or "a game"
-        return Notification(f"Paused for {game}", "The GPU is yours; serving resumes when the game ends.")
+        return Notification(current.headline.title, "The GPU is yours; serving resumes when the game ends.")
 
     def _serving(self, snapshot: NodeSnapshot) -> Notification | None:
         """Told once per model: not again after a pause or a restart that recovered."""
         if tray_state(snapshot) != "serving" or snapshot.model == self._announced_model:
             return None
         self._announced_model = snapshot.model
-        return Notification("Serving", f"{snapshot.model or 'The model'} is ready and serving.")
+        return Notification(snapshot.headline.title, f"{snapshot.model or 'The model'} is ready and serving.")
 
     def _update(self, snapshot: NodeSnapshot) -> Notification | None:
         version = snapshot.update_ready

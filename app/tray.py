@@ -13,10 +13,11 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
 from app.bridge import Bridge, seconds_until_tomorrow
-from app.format import money, rate, status_line, tray_state
+from app.format import money, offers_pause, rate, tray_state
 from app.icons import state_icon
 from app.notify import Notification, Notifier, short_sentence
-from worker.contract.events import EngineSnapshot, NodeSnapshot, Problem
+from worker.contract.events import NodeSnapshot, Problem
+from worker.node.headline import ACTION_LABELS
 
 # (label while serving, label while paused, seconds): while paused they add to the pause
 TIMED_PAUSES = (("Pause for 15 min", "Pause for 15 more min", 15 * 60),
@@ -30,32 +31,19 @@ _LEVEL_ICONS = {
 }
 
 
-def stopping_line(in_flight: int) -> str:
-    """ "Stopping…" while the last requests finish and the engines stop."""
-    if in_flight <= 0:
-        return "Stopping…"
-    return f"Stopping… ({in_flight} request{'s' if in_flight != 1 else ''})"
-
-
-def restarting_engine(snapshot: NodeSnapshot) -> EngineSnapshot | None:
-    """The engine being started again after quick failures, if any (shown as "Restarting (3 of 5)")."""
-    return next((e for e in snapshot.engines if e.state == "starting" and e.failures_in_a_row > 0), None)
+STOPPING = "Stopping…"  # the headline's title while the core drains; said at once when Quit is chosen
 
 
 def tray_status(snapshot: NodeSnapshot, quitting: bool = False) -> str:
-    """The menu's first line: stopping, restarting, or the state with its model, reason or game."""
-    if quitting or snapshot.stopping:
-        return stopping_line(snapshot.in_flight)
-    engine = restarting_engine(snapshot)
-    if engine is not None and not snapshot.paused:
-        return f"Restarting ({engine.failures_in_a_row} of {engine.restart_limit})"
-    if snapshot.connection.state == "signed_out" and tray_state(snapshot) == "idle":
-        return "Signed out"
-    return status_line(snapshot)
+    """The menu's first line: the core's headline, word for word (as the dashboard and `status`)."""
+    return STOPPING if quitting else snapshot.headline.title
 
 
 def figures_line(snapshot: NodeSnapshot) -> str:
-    """Live tok/s while serving, and today's earnings after electricity, in the network's currency."""
+    """What is left to drain while stopping; else live tok/s while serving and today's earnings
+    after electricity, in the network's currency."""
+    if snapshot.headline.kind == "stopping" and snapshot.headline.detail:
+        return snapshot.headline.detail
     earned = money(snapshot.earnings.net_today, snapshot.earnings.currency) + " net today"
     live = snapshot.throughput.live_tokens_per_s
     if live is None or tray_state(snapshot) not in ("serving", "degraded"):
@@ -67,9 +55,12 @@ def tray_tooltip(snapshot: NodeSnapshot, quitting: bool = False) -> str:
     return f"GPU Provider — {tray_status(snapshot, quitting)}\n{figures_line(snapshot)}"
 
 
+RETRIES = ("retry", "check_network", "free_disk")
+
+
 def offers_retry(snapshot: NodeSnapshot) -> bool:
     problems = (snapshot.problem, snapshot.connection.problem)
-    return tray_state(snapshot) == "failed" or any(p is not None and p.action == "retry" for p in problems)
+    return snapshot.headline.action in RETRIES or any(p is not None and p.action == "retry" for p in problems)
 
 
 def extended_pause_s(snapshot: NodeSnapshot, seconds: float, now: float) -> float:
@@ -79,6 +70,7 @@ def extended_pause_s(snapshot: NodeSnapshot, seconds: float, now: float) -> floa
 
 
 class Tray(QObject):
+    setup_requested = Signal()
     open_dashboard = Signal()
     open_settings = Signal()
     open_logs = Signal()
@@ -154,19 +146,31 @@ class Tray(QObject):
         self._add("Quit", self.request_quit)
 
     def _add_remedies(self, snapshot: NodeSnapshot) -> None:
-        """Sign in…, Retry and Restart to update, where each applies."""
-        remedies = [
-            ("Sign in…", self.sign_in_requested.emit, snapshot.connection.state == "signed_out"),
-            ("Retry", self.retry_requested.emit, offers_retry(snapshot)),
-            ("Restart to update", self.update_requested.emit, snapshot.update_ready is not None),
-        ]
-        shown = [self._add(text, slot) for text, slot, applies in remedies if applies]
+        """The headline's remedy in its own words (as the dashboard's main button), then Try again
+        and Restart to update where they apply besides."""
+        action = snapshot.headline.action
+        remedies: dict[str, Callable[[], None]] = {
+            "finish_setup": self.setup_requested.emit, "sign_in": self.sign_in_requested.emit,
+            "retry": self.retry_requested.emit, "check_network": self.retry_requested.emit,
+            "free_disk": self.retry_requested.emit, "settings": self.open_settings.emit,
+            "update": self.update_requested.emit,
+        }
+        shown = []
+        if action in remedies:
+            shown.append(self._add(snapshot.headline.action_label, remedies[action]))
+        if offers_retry(snapshot) and action not in RETRIES:
+            shown.append(self._add(ACTION_LABELS["retry"], self.retry_requested.emit))
+        if snapshot.update_ready is not None and action != "update":
+            shown.append(self._add("Restart to update", self.update_requested.emit))
         if shown:
             self.menu.addSeparator()
 
     def _add_pauses(self, snapshot: NodeSnapshot) -> None:
-        """Pause or Resume, then timed pauses; while paused these extend (or keep) the pause."""
+        """Pause or Resume, then timed pauses; while paused these extend (or keep) the pause. Offered
+        only while the node works or is paused: a failed, offline or unfinished node has nothing to pause."""
         paused = snapshot.paused
+        if not (paused or offers_pause(snapshot)):
+            return
         if paused:
             self._add("Resume serving", self.bridge.resume)
         else:

@@ -6,18 +6,25 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from worker.node.headline import headline
 from worker.system.config import Paths, Settings, save_settings
 from worker.contract.events import NodeSnapshot
+
+
+def headed(snapshot: NodeSnapshot) -> NodeSnapshot:
+    """The snapshot with its headline filled by the core's own `headline`, as the Node's view does."""
+    return replace(snapshot, headline=headline(snapshot, snapshot.at))
 
 
 class ScriptedNode:
     def __init__(self, first: NodeSnapshot, *, log_files: dict[str, Path] | None = None,
                  paths: Paths | None = None) -> None:
         """`paths`: where `save_settings` writes, through the core's own saver."""
-        self._snapshot = first
+        self._snapshot = headed(first)
         self._paths = paths
         self._subscribers: list[Callable[[NodeSnapshot], None]] = []
         self._stopped = threading.Event()
@@ -74,11 +81,29 @@ class ScriptedNode:
     def log_files(self) -> dict[str, Path]:
         return dict(self._log_files)
 
+    def pause_download(self) -> None:
+        self.commands.append(("pause_download", None))
+
+    def resume_download(self) -> None:
+        self.commands.append(("resume_download", None))
+
+    def cancel_download(self) -> None:
+        self.commands.append(("cancel_download", None))
+
+    def preview_share(self, gpu_index: int, pct: int) -> Any:
+        """The planner's own preview for this snapshot's card and engines, as the Node gives it."""
+        from worker.plan.share_preview import preview
+
+        self.commands.append(("preview_share", (gpu_index, pct)))
+        gpu = next(g for g in self._snapshot.gpus if g.index == gpu_index)
+        return preview(gpu, pct, self._snapshot.engines)
+
     # the script ----------------------------------------------------------------------
 
     def emit(self, snapshot: NodeSnapshot) -> None:
-        """Publish from the calling thread, as the core does from its loop thread."""
-        self._snapshot = snapshot
+        """Publish from the calling thread, as the core does from its loop thread (the headline
+        filled from the snapshot, as the core's view fills it)."""
+        self._snapshot = snapshot = headed(snapshot)
         for callback in list(self._subscribers):
             callback(snapshot)
 

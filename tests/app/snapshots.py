@@ -76,6 +76,7 @@ EARNINGS = EarningsSnapshot(
     days=_days(),
     net_per_hour=0.19,
     electricity_price_per_kwh=0.30,
+    power_measured=True,  # NVML reads these cards' power
 )
 CAPACITY = MeasuredCapacity(912.0, MODEL, NOW - 600)
 
@@ -236,7 +237,7 @@ def detecting() -> NodeSnapshot:
 def new_user() -> NodeSnapshot:
     """Nothing earned yet and no electricity price set."""
     return replace(idle(), earnings=EarningsSnapshot(days=tuple(replace(d, gross=0.0, energy_cost=0.0)
-                                                                 for d in EARNINGS.days)))
+                                                                 for d in EARNINGS.days), power_measured=True))
 
 
 MAIN_STATES = {

@@ -17,6 +17,7 @@ from app import charts, theme
 from app.dashboard import Dashboard
 from app.format import clock_time
 from tests.app import snapshots
+from tests.app.scripted_node import headed
 from worker.system.config import LocalEndpoint
 from worker.contract.events import ConnectionSnapshot, DownloadProgress, Tuned, TuningSnapshot
 
@@ -33,7 +34,7 @@ def dashboard(bridge, qtbot, scheme) -> Dashboard:
 
 def show(node, qtbot, bridge, snapshot) -> None:
     node.emit(snapshot)  # on this thread: the bridge hands it on at once (unless it shows nothing new)
-    assert bridge.latest.without_clock() == snapshot.without_clock()
+    assert bridge.latest.without_clock() == headed(snapshot).without_clock()
 
 
 def on_screen(dashboard: Dashboard) -> str:
@@ -51,7 +52,7 @@ def settle(qapp) -> None:
 def test_serving_shows_the_measured_figures_in_plain_words(dashboard, node, bridge, qtbot):
     show(node, qtbot, bridge, snapshots.serving())
     d = dashboard
-    assert d.text("state") == "Serving"
+    assert d.text("state") == "Serving · Qwen/Qwen3-8B"
     assert d.text("tokens_per_s") == "846 tok/s"  # live, not the run's average (812)
     assert d.text("capacity") == "Best sustained 912 tok/s"
     assert d.values.labels["capacity"].property("dimmed") is False
@@ -93,7 +94,7 @@ TUNED = Tuned(args=("--max-num-seqs", "64"), gain_pct=41.6, noise_pct=1.2,
 def test_tuning_shows_its_trial_then_the_chosen_settings_in_words_and_the_gain(dashboard, node, bridge, qtbot):
     running = TuningSnapshot(state="running", trial=4, trials_max=12, best_gain_pct=6.1)
     show(node, qtbot, bridge, replace(snapshots.serving(), engines=(), state="configured", tuning=running))
-    assert dashboard.text("state") == "Tuning"
+    assert dashboard.text("state") == "Tuning… (trial 4 of 12)"
     assert dashboard.text("tuning") == ("Tuning… (trial 4 of 12): trying other settings to serve faster on this "
                                         "computer; best so far 6% faster. Requests go to other computers meanwhile.")
     serving = snapshots.serving()
@@ -120,7 +121,8 @@ def test_an_engine_the_app_does_not_know_is_shown_by_its_name(dashboard, node, b
 def test_starting_shows_phase_and_download(dashboard, node, bridge, qtbot):
     show(node, qtbot, bridge, snapshots.starting())
     card = dashboard._engine_cards["engine-0"]
-    assert dashboard.text("state") == "Starting"
+    assert dashboard.text("state") == "Downloading the model · 76 %"
+    assert dashboard.pause_button.text() == "Pause serving"  # a pause holds the download too
     assert dashboard.text("engine:engine-0.phase") == "Compiling (step 4 of 7)"
     assert card.phase_bar.isVisibleTo(dashboard) and card.phase_bar.value() == 3
     assert dashboard.text("engine:engine-0.context") == "32k tokens per chat"
@@ -139,7 +141,8 @@ def test_failed_shows_one_banner_with_retry_and_folded_details(dashboard, node, 
     show(node, qtbot, bridge, snapshot)
     d, banner = dashboard, dashboard.banner
     assert banner.isVisibleTo(d)
-    assert d.text("state") == "Failed"
+    assert d.text("state") == "Failed: Not enough GPU memory for this model"
+    assert d.pause_button.text() == "Try again"  # the failure's remedy, never Pause
     assert d.text("problem_title") == "Not enough GPU memory for this model"
     assert d.text("problem_message").endswith("then Retry.") and "--" not in d.text("problem_message")
     assert not d.values.labels["problem_retry_at"].isVisibleTo(d)  # it gave up: only Retry starts it again
@@ -181,7 +184,8 @@ def test_an_action_other_than_retry_gets_its_own_button(dashboard, node, bridge,
 def test_restarting_after_failures_counts_the_tries(dashboard, node, bridge, qtbot):
     snapshot = snapshots.restarting()
     show(node, qtbot, bridge, snapshot)
-    assert dashboard.text("state") == "Restarting (3 of 5)"
+    assert dashboard.text("state") == "Starting"
+    assert dashboard.text("subtitle") == "Restarting (3 of 5)"
     assert dashboard.text("engine:engine-0.state") == "Restarting (3 of 5)"
     assert dashboard.text("engine:engine-0.phase") == f"Trying again at {clock_time(snapshot.engines[0].retry_at)}"
     card = dashboard._engine_cards["engine-0"]
@@ -210,23 +214,25 @@ def test_signed_out_offers_sign_in(dashboard, node, bridge, qtbot):
 
 def test_paused_for_a_game_keeps_the_last_capacity_dimmed(dashboard, node, bridge, qtbot):
     show(node, qtbot, bridge, snapshots.paused_for_game())
-    assert dashboard.text("state") == "Paused"
-    assert dashboard.text("subtitle").startswith("Paused for a game")
+    assert dashboard.text("state") == "Paused for a game"
+    assert dashboard.text("subtitle") == "Your GPU is all yours"
     assert dashboard.text("tokens_per_s") == "—"
     capacity = dashboard.values.labels["capacity"]
     assert capacity.isVisibleTo(dashboard) and capacity.text() == "Last measured 912 tok/s"
     assert capacity.property("dimmed") is True
     assert dashboard.text("plan") == "Stopped while paused, so your GPU is all yours."
-    assert dashboard.pause_button.text() == "Resume serving"
+    assert dashboard.pause_button.text() == "Resume"
     show(node, qtbot, bridge, replace(snapshots.paused_for_game(), pause_detail="Cyberpunk2077.exe"))
-    assert dashboard.text("subtitle").startswith("Paused for Cyberpunk2077.exe")
+    assert dashboard.text("state") == "Paused for Cyberpunk2077.exe"
 
 
 def test_pause_and_resume(dashboard, node, bridge, qtbot):
     show(node, qtbot, bridge, snapshots.paused_for_game())
     dashboard.pause_button.click()
-    show(node, qtbot, bridge, snapshots.idle())
+    show(node, qtbot, bridge, snapshots.serving())
     dashboard.pause_button.click()
+    show(node, qtbot, bridge, snapshots.idle())
+    assert not dashboard.pause_button.isVisibleTo(dashboard)  # nothing to pause while nothing is assigned
     assert node.commands == [("resume", None), ("pause", (None, "user"))]
     assert dashboard.text("plan") == "Waiting for the network to pick a model."
     assert "engine-0" not in dashboard._engine_cards

@@ -321,7 +321,7 @@ def test_quit_keeps_the_app_up_saying_stopping_until_the_core_has_drained(qtbot,
     node.emit(dataclasses.replace(snapshots.serving(), stopping=True, in_flight=3))
     qtbot.waitUntil(lambda: app.bridge.latest.stopping)
     app.tray.menu.aboutToShow.emit()
-    assert app.tray.menu.actions()[0].text() == "Stopping… (3 requests)"
+    assert [a.text() for a in app.tray.menu.actions()[:2]] == ["Stopping…", "3 requests finishing"]
     app.quit()  # a second request changes nothing
     assert node.commands.count(("shutdown", None)) == 1 and not ended
     app.core_finished.emit()

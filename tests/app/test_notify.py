@@ -5,6 +5,7 @@ from dataclasses import replace
 
 from app.notify import MESSAGE_LIMIT, Notification, Notifier, new_notices, short_sentence
 from tests.app import snapshots
+from tests.app.scripted_node import headed
 from worker.contract.events import NodeSnapshot, Problem, TuningSnapshot
 
 TRACEBACK = (
@@ -15,7 +16,7 @@ TRACEBACK = (
 
 def feed(*snaps: NodeSnapshot) -> list[Notification | None]:
     notifier = Notifier()
-    return [notifier.update(s) for s in snaps]
+    return [notifier.update(headed(s)) for s in snaps]  # the headline as the core fills it
 
 
 def told(*snaps: NodeSnapshot) -> list[Notification]:
@@ -29,6 +30,7 @@ def restarting(failures: int) -> NodeSnapshot:
     return replace(snap, engines=(engine,))
 
 
+SERVING = "Serving · Qwen/Qwen3-8B"  # the headline's title, as tray and dashboard show it
 OOM_ADVICE = ("vLLM could not fit Qwen/Qwen3-8B even at the lowest memory tier. "
               "Close other GPU apps or lend another GPU.")
 
@@ -45,38 +47,38 @@ def crashed(message: str = OOM_ADVICE) -> NodeSnapshot:
 def test_ready_after_starting_is_told_once():
     notes = feed(snapshots.idle(), snapshots.starting(), snapshots.serving(), snapshots.serving())
     assert notes[:2] == [None, None]
-    assert notes[2] == Notification("Serving", "Qwen/Qwen3-8B is ready and serving.")
+    assert notes[2] == Notification("Serving · Qwen/Qwen3-8B", "Qwen/Qwen3-8B is ready and serving.")
     assert notes[3] is None
 
 
 def test_a_crash_loop_and_its_final_failure_are_one_short_notification():
     notes = told(snapshots.serving(), restarting(1), restarting(2), restarting(3), restarting(4), crashed(),
                  crashed(), replace(crashed(), at=snapshots.NOW + 5))
-    assert notes[0].title == "Serving"  # the first snapshot: the model was serving when the app opened
+    assert notes[0].title == SERVING  # the first snapshot: the model was serving when the app opened
     failures = notes[1:]
     assert len(failures) == 1
-    assert failures[0].title == "The engine keeps crashing" and failures[0].level == "critical"
+    assert failures[0].title == "Failed: The engine keeps crashing" and failures[0].level == "critical"
     assert failures[0].message.startswith("vLLM could not fit Qwen/Qwen3-8B")
     assert len(failures[0].message) <= MESSAGE_LIMIT
     assert "Traceback" not in failures[0].message and "\n" not in failures[0].message
 
 
 def test_failing_again_after_retry_is_the_same_incident_but_a_new_one_after_serving():
-    assert [n.title for n in told(crashed(), restarting(1), crashed())] == ["The engine keeps crashing"]
+    assert [n.title for n in told(crashed(), restarting(1), crashed())] == ["Failed: The engine keeps crashing"]
     titles = [n.title for n in told(crashed(), snapshots.serving(), crashed())]
-    assert titles == ["The engine keeps crashing", "Serving", "The engine keeps crashing"]
+    assert titles == ["Failed: The engine keeps crashing", SERVING, "Failed: The engine keeps crashing"]
 
 
 def test_a_restart_that_recovers_is_not_news():
     assert [n.title for n in told(snapshots.serving(), restarting(1), restarting(2), snapshots.serving())] == [
-        "Serving"
+        SERVING
     ]
 
 
 def test_serving_again_after_a_tuning_is_not_news():
     tuning = replace(snapshots.idle(), state="configured", model=snapshots.MODEL,
                      tuning=TuningSnapshot(state="running", trial=2, trials_max=12))
-    assert [n.title for n in told(snapshots.serving(), tuning, snapshots.serving())] == ["Serving"]
+    assert [n.title for n in told(snapshots.serving(), tuning, snapshots.serving())] == [SERVING]
 
 
 def test_a_long_message_becomes_one_short_sentence():
@@ -100,7 +102,7 @@ def test_a_failure_that_retries_by_itself_says_when():
 def test_failure_without_problem_never_shows_the_log_line():
     snap = replace(snapshots.failed(), problem=None)
     note = told(snapshots.starting(), snap)[0]
-    assert note.title == "Serving failed"
+    assert note.title == "Failed: The engine stopped"  # the headline's words
     assert "OutOfMemoryError" not in note.message and len(note.message) <= MESSAGE_LIMIT
 
 
@@ -122,7 +124,7 @@ def test_one_notification_per_change_and_the_update_offer_waits_for_the_next():
     ready = replace(snapshots.serving(), update_ready="0.3.0", notices=("Serving Qwen/Qwen3-8B on engine-0",))
     notes = feed(snapshots.starting(), ready, replace(ready, at=snapshots.NOW + 1),
                  replace(ready, at=snapshots.NOW + 2))
-    assert notes[1] is not None and notes[1].title == "Serving"
+    assert notes[1] is not None and notes[1].title == SERVING
     assert notes[2] is not None and notes[2].title == "Update 0.3.0 ready"
     assert notes[3] is None
 

@@ -8,6 +8,7 @@ import pytest
 from app.bridge import seconds_until_tomorrow
 from app.tray import Tray
 from tests.app import snapshots
+from tests.app.scripted_node import headed
 from worker.contract.events import (
     ConnectionSnapshot,
     EarningsSnapshot,
@@ -49,7 +50,12 @@ def offline_retrying() -> NodeSnapshot:
 
 def restarting() -> NodeSnapshot:
     snap = snapshots.starting()
-    return replace(snap, engines=(replace(snap.engines[0], failures_in_a_row=3, restart_limit=5),))
+    return replace(snap, downloads=(), engines=(replace(snap.engines[0], failures_in_a_row=3, restart_limit=5),))
+
+
+def setup_needed() -> NodeSnapshot:
+    """The first-run flow was closed with Later: the node waits, doing nothing."""
+    return replace(snapshots.idle(), setup_needed=True)
 
 
 def game(detail: str | None = "Cyberpunk2077.exe") -> NodeSnapshot:
@@ -75,7 +81,7 @@ def stopping(in_flight: int) -> NodeSnapshot:
 
 def show(tray: Tray, node, qtbot, snapshot: NodeSnapshot) -> list[tuple[str, bool]]:
     node.emit(snapshot)  # on this thread: the bridge hands it on at once (unless it shows nothing new)
-    assert tray.bridge.latest.without_clock() == snapshot.without_clock()
+    assert tray.bridge.latest.without_clock() == headed(snapshot).without_clock()
     return menu_items(tray)
 
 
@@ -86,22 +92,21 @@ def menu_items(tray: Tray) -> list[tuple[str, bool]]:
 
 def trigger(tray: Tray, text: str) -> None:
     tray.menu.aboutToShow.emit()
-    next(a for a in tray.menu.actions() if a.text() == text).trigger()
+    next(a for a in tray.menu.actions() if a.text() == text and a.isEnabled()).trigger()
 
 
 @pytest.mark.parametrize(
     ("make", "status", "figures", "commands"),
     [
-        (snapshots.idle, "Idle", "$2.23 net today", ["Pause serving", *PAUSES]),
-        (snapshots.starting, "Starting · Qwen/Qwen3-8B", "$2.23 net today", ["Pause serving", *PAUSES]),
+        (snapshots.idle, "Idle", "$2.23 net today", []),  # nothing to pause while the network assigns nothing
+        (snapshots.starting, "Downloading the model · 76 %", "$2.23 net today", ["Pause serving", *PAUSES]),
         (live_serving, "Serving · Qwen/Qwen3-8B", "640 tok/s · $2.23 net today", ["Pause serving", *PAUSES]),
-        (lambda: steady(snapshots.degraded(), 320.0), "Degraded · Qwen/Qwen3-8B", "320 tok/s · $2.23 net today",
-         ["Pause serving", *PAUSES]),
-        (restarting, "Restarting (3 of 5)", "$2.23 net today", ["Pause serving", *PAUSES]),
-        (out_of_memory, "Failed: The engine ran out of GPU memory", "$2.23 net today",
-         ["Retry", "Pause serving", *PAUSES]),
-        (offline_retrying, "Starting · Qwen/Qwen3-8B", "$2.23 net today", ["Retry", "Pause serving", *PAUSES]),
-        (signed_out, "Signed out", "$2.23 net today", ["Sign in…", "Pause serving", *PAUSES]),
+        (lambda: steady(snapshots.degraded(), 320.0), "Serving with problems · Qwen/Qwen3-8B",
+         "320 tok/s · $2.23 net today", ["Pause serving", *PAUSES]),
+        (restarting, "Starting", "$2.23 net today", ["Pause serving", *PAUSES]),
+        (out_of_memory, "Failed: The engine ran out of GPU memory", "$2.23 net today", ["Try again"]),  # never a pause
+        (offline_retrying, "Offline", "$2.23 net today", ["Try again"]),
+        (signed_out, "Signed out", "$2.23 net today", ["Sign in"]),
         (lambda: replace(live_serving(), update_ready="0.3.0"), "Serving · Qwen/Qwen3-8B",
          "640 tok/s · $2.23 net today", ["Restart to update", "Pause serving", *PAUSES]),
         (game, "Paused for Cyberpunk2077.exe", "$2.23 net today", ["Resume serving", *PAUSES_WHILE_PAUSED]),
@@ -109,6 +114,7 @@ def trigger(tray: Tray, text: str) -> None:
         (tuning, "Tuning… (trial 4 of 12)", "$2.23 net today", ["Pause serving", *PAUSES]),
         (lambda: replace(game(), tuning=tuning().tuning), "Paused for Cyberpunk2077.exe", "$2.23 net today",
          ["Resume serving", *PAUSES_WHILE_PAUSED]),
+        (setup_needed, "Finish setting up", "$2.23 net today", ["Finish setting up"]),
     ],
 )
 def test_menu_is_rebuilt_from_the_latest_snapshot(bridge, node, qtbot, make, status, figures, commands):
@@ -130,6 +136,7 @@ def test_live_rate_is_zero_when_serving_idle_and_earnings_carry_their_currency(b
 
 def test_commands_reach_the_node(bridge, node, qtbot):
     tray = Tray(bridge)
+    show(tray, node, qtbot, snapshots.serving())
     trigger(tray, "Pause serving")
     trigger(tray, "Pause for 15 min")
     trigger(tray, "Pause for 1 hour")
@@ -166,13 +173,16 @@ def test_keep_paused_until_tomorrow_never_shortens_a_longer_pause(bridge, node, 
 
 def test_remedies_and_windows_emit_the_signals_the_app_wires(bridge, node, qtbot):
     tray = Tray(bridge)
+    show(tray, node, qtbot, setup_needed())
+    with qtbot.waitSignal(tray.setup_requested, timeout=500):
+        trigger(tray, "Finish setting up")
     problem = Problem("Signed out", "The token was revoked.", "sign_in")
-    everything = replace(snapshots.failed(), update_ready="0.3.0",
+    everything = replace(out_of_memory(), update_ready="0.3.0",
                          connection=ConnectionSnapshot("wss://x", "signed_out", problem))
     show(tray, node, qtbot, everything)
     for text, signal in (
-        ("Sign in…", tray.sign_in_requested),
-        ("Retry", tray.retry_requested),
+        ("Sign in", tray.sign_in_requested),
+        ("Try again", tray.retry_requested),
         ("Restart to update", tray.update_requested),
         ("Open dashboard", tray.open_dashboard),
         ("Settings…", tray.open_settings),
@@ -189,22 +199,22 @@ def test_quit_says_stopping_at_once_and_is_offered_no_more(bridge, node, qtbot):
     show(tray, node, qtbot, replace(live_serving(), in_flight=3))
     with qtbot.waitSignal(tray.quit_requested, timeout=500):
         trigger(tray, "Quit")
-    assert tray.icon.toolTip().startswith("GPU Provider — Stopping… (3 requests)")
+    assert tray.icon.toolTip().startswith("GPU Provider — Stopping…\n")
     items = menu_items(tray)
-    assert items[0] == ("Stopping… (3 requests)", False)
+    assert items[0] == ("Stopping…", False)
     assert ("Quit", False) in items
-    assert not any(text.startswith(("Pause", "Resume", "Retry")) for text, _ in items)
+    assert not any(text.startswith(("Pause", "Resume", "Try again")) for text, _ in items)
 
 
-@pytest.mark.parametrize(("in_flight", "line"), [(2, "Stopping… (2 requests)"), (1, "Stopping… (1 request)"),
-                                                 (0, "Stopping…")])
+@pytest.mark.parametrize(("in_flight", "line"), [(2, "2 requests finishing"), (1, "1 request finishing"),
+                                                 (0, "$0.00 net today")])
 def test_the_cores_drain_shows_what_is_left(bridge, node, qtbot, in_flight, line):
     tray = Tray(bridge)
-    items = show(tray, node, qtbot, stopping(in_flight))
-    assert items[0] == (line, False)
+    items = show(tray, node, qtbot, replace(stopping(in_flight), earnings=EarningsSnapshot(currency="USD")))
+    assert items[:2] == [("Stopping…", False), (line, False)]
     assert [text for text, _ in items[2:]] == ["Open dashboard", "View logs", "Quit"]
     assert items[-1] == ("Quit", False)
-    assert tray.icon.toolTip().startswith(f"GPU Provider — {line}\n")
+    assert tray.icon.toolTip() == f"GPU Provider — Stopping…\n{line}"
 
 
 def test_until_tomorrow_means_tomorrow_morning():
@@ -240,8 +250,8 @@ def test_notifications_fire_once_per_incident(bridge, node, qtbot, monkeypatch):
     for make in (snapshots.starting, snapshots.serving, snapshots.serving, game, game, restarting, restarting,
                  out_of_memory, out_of_memory):
         show(tray, node, qtbot, make())
-    assert [title for title, _ in shown] == ["Serving", "Paused for Cyberpunk2077.exe",
-                                             "The engine ran out of GPU memory"]
+    assert [title for title, _ in shown] == ["Serving · Qwen/Qwen3-8B", "Paused for Cyberpunk2077.exe",
+                                             "Failed: The engine ran out of GPU memory"]
     assert shown[-1][1] == "Qwen/Qwen3-8B does not fit in the GPU memory that is free."
     assert [n.title for n in tray.shown_notifications] == [title for title, _ in shown]
 
