@@ -272,7 +272,7 @@ class EarningsChart(pg.PlotWidget):
         self.bars.setOpts(x=list(range(len(days))), height=[d.net for d in days])
         self._paint_bars(theme.colours())
         self.getAxis("bottom").setTicks([_day_ticks(days)])
-        self.setXRange(-0.6, max(len(days), 1) + 0.6, padding=0)  # room for the "Today" label
+        self.setXRange(-1.0, max(len(days), 1) + 0.6, padding=0)  # room for the first date and "Today"
         top = max([d.net for d in days] + [0.0])
         bottom = min([d.net for d in days] + [0.0])
         self.setYRange(bottom, top if top > bottom else bottom + 0.01, padding=0.08)

@@ -90,6 +90,7 @@ class EarningsPanel(QFrame):
                 grid.addWidget(label, r, col)
                 if part in self._columns:
                     self._columns[part].append(label)
+        grid.setColumnStretch(4, 1)  # columns packed to the left, also with the electricity ones hidden
         return grid
 
     def show_earnings(self, e: EarningsSnapshot, node: NodeSnapshot | None = None) -> None:
@@ -162,13 +163,21 @@ class EarningsPanel(QFrame):
             "earn.projection": e.projected_per_day or 0.0,
         }
         for key, amount in figures.items():
-            _tone(self._values.labels[key], c.error if amount < 0 else None)
+            tone(self._values.labels[key], amount, c)
 
 
-def _tone(label: QLabel, colour: str | None) -> None:
-    style = f"color: {colour};" if colour else ""
+def tone(label: QLabel, amount: float, c: theme.Colours) -> None:
+    """A money figure in the theme's error colour below zero, the label's own colour otherwise
+    (the dashboard's stat card uses it too: a loss reads red wherever it is shown)."""
+    style = f"color: {c.error};" if amount < 0 else ""
     if label.styleSheet() != style:  # re-polishing is costly: only on a change
         label.setStyleSheet(style)
+
+
+def today_words(e: EarningsSnapshot) -> str:
+    """Today's figure in a few words for the tray and the stat card: "net" only where this
+    machine's power is measured ("$2.23 net today", "$2.84 earned today")."""
+    return f"{money(e.net_today, e.currency)} {'net' if e.power_measured else 'earned'} today"
 
 
 def _losing_words(e: EarningsSnapshot) -> str | None:

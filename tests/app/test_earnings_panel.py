@@ -12,7 +12,7 @@ import pytest
 from PySide6.QtWidgets import QLabel
 
 from app import theme
-from app.earnings_panel import EMPTY, NOT_MEASURED, EarningsPanel
+from app.earnings_panel import EMPTY, NOT_MEASURED, EarningsPanel, today_words
 from app.widgets import Values
 from tests.app import snapshots
 from worker.contract.events import ConnectionSnapshot, ConnectionState, DayEarnings, EarningsSnapshot, NodeSnapshot
@@ -142,3 +142,8 @@ def test_the_real_ledgers_losing_day_reads_red(panel: EarningsPanel, tmp_path: P
     assert colour(panel._values.labels["earn.headline"]) == theme.colours().error.upper()
     assert panel.chart.isVisibleTo(panel)
     assert text(panel, "earn.per_hour") == "−$0.60 per hour while serving, net of electricity (last 24 hours)"
+
+
+def test_todays_words_say_net_only_where_power_is_measured() -> None:
+    assert today_words(LOSING) == "−$0.50 net today"
+    assert today_words(replace(EARNING, power_measured=False, energy_cost_today=0.0)) == "$2.84 earned today"
