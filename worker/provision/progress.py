@@ -23,7 +23,8 @@ class ProgressMeter:
     The speed is a moving average over the last `RATE_WINDOW_S` and counts only bytes moved in this
     transfer (a resumed download's earlier bytes would otherwise make it look impossibly fast). While
     `control` holds downloads the event says why, with no speed or time left, and the wait does not
-    drag the speed down afterwards. The first and final events, and a change of hold, are always sent.
+    drag the speed down afterwards. The first and final events, and a change of hold, are always sent;
+    while a hold lasts, nothing more is (no figure moves).
     """
 
     def __init__(
@@ -39,7 +40,7 @@ class ProgressMeter:
     ) -> None:
         self.what = what
         self.total_bytes = total_bytes
-        self.kind: Literal["model", "engine"] = kind or ("engine" if what.startswith("engine") else "model")
+        self.kind: Literal["model", "engine"] = kind or ("model" if what.startswith("model") else "engine")
         self._on_progress = on_progress
         self._clock = clock
         self._interval = 1.0 / max_per_s
@@ -61,7 +62,9 @@ class ProgressMeter:
         self.done_bytes = done_bytes
         now = self._clock()
         held = self._held()
-        if held is not None or held != self._last_held:
+        if held is not None and held == self._last_held:
+            return  # nothing moves while held, and the last event already says why
+        if held != self._last_held:
             self._samples.clear()  # the speed after a wait starts from where it resumed
         if not self._samples or now - self._samples[-1][0] >= SAMPLE_EVERY_S:
             self._samples.append((now, done_bytes))

@@ -10,7 +10,8 @@ waits until its announced size fits this month's budget (held "budget", "until 1
 refuses one larger than the whole budget (`BudgetExceeded`): nothing is fetched that must stop half-way.
 
 Pacing is a leaky bucket with no burst: each chunk is paid for at the limit after the bytes before
-it, so over a few seconds the rate stays within a chunk of the limit, and a pause earns no credit.
+it (a wait that overran a little is made up), so over a few seconds the rate stays within a chunk of
+the limit, and a pause or a slow line earns no credit.
 `cancel` makes the running downloads raise `DownloadCancelled` (their callers remove the `.part`).
 The budget is a small private JSON file in the data folder (`budget_path`), counted per calendar
 month in local time, saved at most once a second while bytes arrive and when a download ends.
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 POLL_S = 0.25  # how soon a waiting download notices a release, a cancel, a new month
+CATCH_UP_S = 0.25  # pacing makes up for waits that overran by less than this, so sleeps' overshoot costs no speed
 SAVE_EVERY_S = 1.0  # the budget file is rewritten at most this often while bytes arrive
 BUDGET_FILE = "download-budget.json"
 HOLD_ORDER: tuple[DownloadHold, ...] = ("paused_by_you", "paused", "game", "budget", "setup")
@@ -101,6 +103,12 @@ class MonthlyBudget:
         with self._lock:
             if self._dirty:
                 self._save()
+
+    def reload(self) -> None:
+        """Read the count from the file again (another budget object saved it)."""
+        with self._lock:
+            self._month, self._used = self._load()
+            self._dirty = False
 
     def resets_at(self) -> float:
         """When the next month starts, local time (epoch seconds)."""
@@ -173,7 +181,13 @@ class TransferControl:
             self._changed.notify_all()
 
     def set_budget(self, budget: MonthlyBudget | None) -> None:
+        """A new budget (the limit changed in Settings); the old one's count is saved first and the
+        new one reads it again, so it goes on from it."""
         with self._changed:
+            if self._budget is not None and budget is not self._budget:
+                self._budget.flush()
+                if budget is not None:
+                    budget.reload()
             self._budget = budget
             self._holds.pop("budget", None)
             self._changed.notify_all()
@@ -279,7 +293,8 @@ class TransferControl:
                 if self._budget is not None:
                     self._budget.add(chunk.nbytes)
                 if self._rate is not None:
-                    self._paid_until = max(self._paid_until, now) + chunk.nbytes / self._rate
+                    behind = now - self._paid_until  # a late wake-up is made up; a pause earns nothing
+                    self._paid_until = (self._paid_until if behind < CATCH_UP_S else now) + chunk.nbytes / self._rate
             return max(0.0, self._paid_until - now) if self._rate is not None else 0.0
 
     def _budget_allows(self, nbytes: int) -> bool:

@@ -113,6 +113,7 @@ async def test_pause_mid_download_then_resume_completes_without_fetching_a_byte_
         await asyncio.sleep(1.0)
 
         assert watch.done == paused_at < len(BODY)  # nothing moves while paused
+        assert len(watch.held()) == 1  # one event says so: a long pause does not flood the snapshot
         assert watch.held()[-1].held == "paused_by_you" and watch.held()[-1].rate_bps is None
         control.release("paused_by_you")
         path = await asyncio.wait_for(task, 30)
@@ -262,6 +263,22 @@ def test_a_chunk_larger_than_the_whole_budget_raises_rather_than_waiting_forever
         control.take(2 * MIB)
     with pytest.raises(BudgetExceeded):
         control.wait_until_free(2 * MIB)
+
+
+def test_a_new_budget_goes_on_from_the_old_ones_count(tmp_path: Path) -> None:
+    old = budget_in(tmp_path, 1.0)
+    control = TransferControl(budget=old)
+    control.take(MIB)
+    control.take(MIB)  # within a second of the first: not saved yet
+
+    new = budget_in(tmp_path, 2.0)  # the person raised the limit
+    control.set_budget(new)
+    assert new.used_bytes() == 2 * MIB
+
+    control.take(MIB)
+    with control.transfer():
+        pass  # a download's end saves the count
+    assert budget_in(tmp_path, 2.0).used_bytes() == 3 * MIB
 
 
 def test_holds_report_the_first_reason_and_release_one_at_a_time() -> None:
