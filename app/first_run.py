@@ -1,5 +1,7 @@
 """The first-run flow: which network, sign in, the electricity price, the GPUs to lend, start at
-login and pausing for games, on a new install (`Settings.setup_complete` is False).
+login and pausing for games, on a new install (`Settings.setup_complete` is False). Its last page
+says what pressing Start will do (what is downloaded and how big, what the GPU will do, what it
+earns): the desktop app's node downloads, starts and connects nothing before that.
 
 Nothing is written until Finish: then the core saves the settings with `setup_complete` and applies
 them, the login item follows the choice and the core hears of a new token. Cancel writes nothing,
@@ -22,11 +24,15 @@ from PySide6.QtWidgets import (
 )
 
 from app.bridge import Bridge
+from app.format import games_seen, gib
 from app.settings import GpuChoice, PriceField
 from app.signin import TokenForm, account_link
 from worker.system import autostart
 from worker.system import networks
 from worker.system import secrets
+from worker.contract.events import NodeSnapshot
+from worker.link.local.sizing import DEFAULT_LOCAL_MODEL_MIB
+from worker.measure.prices import price_doubt
 from worker.system.config import Settings
 from worker.system.networks import Network
 
@@ -108,6 +114,7 @@ class PricePage(QWizardPage):
         layout.addWidget(_label("The price of one kWh, from your electricity bill. GPU Provider subtracts "
                                 "what serving uses from what you earn. Use 0 to leave it out.", "muted"))
         self.price = settings.electricity_price_per_kwh  # what Finish saves, once this page accepted it
+        self._asked: float | None = None  # a doubtful price already questioned: Next again keeps it
         self.price_field = PriceField(self.price, settings.currency)
         layout.addWidget(self.price_field)
         self.error = _label("", "error")
@@ -118,11 +125,16 @@ class PricePage(QWizardPage):
     def validatePage(self) -> bool:
         problems: list[str] = []
         price = self.price_field.value(problems)
+        if price is not None and price != self._asked:
+            question = price_doubt(price, self.price_field.currency_code)
+            if question is not None:
+                self._asked = price
+                problems.append(question + " Press Next again to keep it.")
         self.error.setText("\n".join(problems))
-        self.error.setVisible(price is None)
-        if price is not None:
+        self.error.setVisible(bool(problems))
+        if price is not None and not problems:
             self.price = price
-        return price is not None
+        return price is not None and not problems
 
 
 class GpuPage(QWizardPage):
@@ -145,6 +157,29 @@ class GpuPage(QWizardPage):
         return problem is None
 
 
+def what_happens(network: Network, snapshot: NodeSnapshot, lent: tuple[int, ...] | None) -> list[str]:
+    """What pressing Start does, in three sentences: the download, the GPU's work, the money."""
+    gpus = [g for g in snapshot.gpus if lent is None or g.index in lent]
+    if network.is_local:
+        download = (f"Downloads a small test model (about {gib(DEFAULT_LOCAL_MODEL_MIB)}) and the program that "
+                    "runs it, once.")
+    elif gpus:
+        room = sum(g.memory_usable_mib or g.memory_total_mib for g in gpus)
+        download = (f"Downloads the model {network.name} picks for your GPUs (at most {gib(room)}, the memory "
+                    "they lend) and the program that runs it, once; another only when the network picks another.")
+    else:
+        download = (f"Downloads a small model {network.name} picks for this computer's processor, and the "
+                    "program that runs it, once.")
+    names = ", ".join(f"GPU {g.index} ({g.name})" for g in gpus)
+    work = (f"{names} will answer people's chat requests. It stops when you pause from the tray"
+            + (" or play a game." if games_seen(snapshot) else ".")) if gpus else (
+        "This computer's processor will answer chat requests. It stops when you pause from the tray.")
+    earn = ("Nothing is earned: only programs on this computer use it." if network.is_local else
+            f"It earns {network.currency} for each answer; how much depends on the model and this computer's "
+            "speed, so the dashboard shows it per hour once it has served (after electricity, at your price).")
+    return [download, work, earn]
+
+
 class HabitsPage(QWizardPage):
     def __init__(self, settings: Settings) -> None:
         super().__init__()
@@ -157,12 +192,28 @@ class HabitsPage(QWizardPage):
         self.pause_for_games = QCheckBox("Pause when I play a game")
         self.pause_for_games.setChecked(settings.auto_pause_for_games)
         layout.addWidget(self.pause_for_games)
-        layout.addWidget(_label("Serving stops the moment a game or another app uses the GPU, and "
-                                "starts again a while after it closes.", "muted"))
+        self.games_note = _label("Serving stops the moment a game or another app uses the GPU, and "
+                                 "starts again a while after it closes.", "muted")
+        layout.addWidget(self.games_note)
+        layout.addSpacing(12)
+        layout.addWidget(_label("When you press Start", "heading"))
+        self.summary = _label("")
+        layout.addWidget(self.summary)
         self.error = _label("", "error")
         self.error.hide()
         layout.addWidget(self.error)
         layout.addStretch(1)
+
+    def initializePage(self) -> None:
+        """Says what Start will do with the choices of the pages before (they may have changed)."""
+        flow = self.wizard()
+        assert isinstance(flow, FirstRunFlow)
+        snapshot = flow.bridge.latest
+        seen = games_seen(snapshot)  # the game pause is offered only where it can work
+        self.pause_for_games.setVisible(seen)
+        self.games_note.setVisible(seen)
+        self.summary.setText("\n".join(f"• {line}" for line in
+                                        what_happens(flow.network(), snapshot, flow.gpu_page.choice.lent())))
 
 
 class FirstRunFlow(QWizard):
@@ -188,7 +239,7 @@ class FirstRunFlow(QWizard):
         self.setButtonText(QWizard.WizardButton.CancelButton, "Later")  # asked again at the next start
         self.setMinimumWidth(560)
         self.settings = settings
-        self._bridge = bridge
+        self.bridge = bridge
         self._startup = startup
         offered = choices or networks.choices()
         chosen = chosen or offered[0]
@@ -234,7 +285,7 @@ class FirstRunFlow(QWizard):
         )
         try:
             autostart.apply_setting(self._startup, was_on=self.settings.start_at_login, now_on=updated.start_at_login)
-            self._bridge.save_settings(updated)  # the core saves and applies them
+            self.bridge.save_settings(updated)  # the core saves and applies them
         except OSError as exc:
             self.habits_page.error.setText(str(exc) if isinstance(exc, autostart.AutostartRefused) else
                                            f"Could not save the settings ({exc}). Check that the folder is "
@@ -242,7 +293,7 @@ class FirstRunFlow(QWizard):
             self.habits_page.error.show()
             return
         if self.sign_in_page.given and not network.is_local:
-            self._bridge.token_changed()
+            self.bridge.token_changed()
         self.settings = updated
         self.saved.emit(updated)
         super().accept()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
+from worker.node.autopause import GAMES_NOT_SEEN
 from worker.contract.events import EngineSnapshot, GpuSnapshot, HeadlineKind, NodeSnapshot, Tuned, TuningSnapshot
 
 TrayState = Literal["idle", "starting", "serving", "paused", "degraded", "failed"]
@@ -47,6 +48,11 @@ def tray_state(snapshot: NodeSnapshot) -> TrayState:
 def offers_pause(snapshot: NodeSnapshot) -> bool:
     """Pausing means something only while the node works (never for a failure, setup or offline)."""
     return snapshot.headline.kind in PAUSE_KINDS
+
+
+def games_seen(snapshot: NodeSnapshot) -> bool:
+    """The game pause can work here: some games can be seen (it is offered only then)."""
+    return snapshot.game_detection != GAMES_NOT_SEEN
 
 
 def clock_time(epoch: float, now: float | None = None) -> str:

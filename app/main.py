@@ -115,6 +115,7 @@ class DesktopApp(QObject):
         self.dashboard = Dashboard(self.bridge, hide_on_close=tray_available,
                                    local_endpoint=lambda: read_local_endpoint(paths))
         self.dashboard.setWindowIcon(state_icon("serving"))
+        self.dashboard.setup_requested.connect(self.open_first_run)
         self.dashboard.settings_requested.connect(self.open_settings)
         self.dashboard.logs_requested.connect(self.open_logs)
         self.dashboard.sign_in_requested.connect(self.open_sign_in)
@@ -123,6 +124,7 @@ class DesktopApp(QObject):
         self.tray: Tray | None = None
         if tray_available:
             self.tray = Tray(self.bridge)
+            self.tray.setup_requested.connect(self.open_first_run)
             self.tray.open_dashboard.connect(self.dashboard.bring_forward)
             self.tray.open_settings.connect(self.open_settings)
             self.tray.open_logs.connect(self.open_logs)

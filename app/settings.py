@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.bridge import Bridge
-from app.format import CPU_ONLY, FINDING_GPUS, gpu_line
+from app.format import CPU_ONLY, FINDING_GPUS, games_seen, gpu_line
 from app.signin import SignInDialog
 from worker.system import autostart
 from worker.system import networks
@@ -65,6 +65,7 @@ class PriceField(QWidget):
         self.set_currency(currency)
 
     def set_currency(self, currency: str) -> None:
+        self.currency_code = currency
         self.currency.setText(f"{currency} per kWh")
 
     def value(self, problems: list[str]) -> float | None:
@@ -208,11 +209,13 @@ class SettingsDialog(QDialog):
         self.auto_pause = QCheckBox("Pause when a game or another app uses the GPU")
         self.auto_pause.setChecked(s.auto_pause_for_games)
         form.addRow(self.auto_pause)
-        self.game_detection = QLabel(self._bridge.latest.game_detection or "")
+        detection = self._bridge.latest.game_detection
+        self.game_detection = QLabel(detection or "")
         self.game_detection.setObjectName("hint")
         self.game_detection.setWordWrap(True)
-        self.game_detection.setVisible(bool(self._bridge.latest.game_detection))  # said only where games can be missed
+        self.game_detection.setVisible(bool(detection))  # said only where games can be missed
         form.addRow(self.game_detection)
+        self.auto_pause.setVisible(games_seen(self._bridge.latest))  # offered only where it can work
         self.keep_awake = QCheckBox("Keep this computer awake while it serves")
         self.keep_awake.setChecked(s.keep_awake_while_serving)
         self.keep_awake.setToolTip("A computer that goes to sleep stops serving. It may sleep again as soon as "

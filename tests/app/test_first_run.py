@@ -212,3 +212,60 @@ def test_a_failed_save_is_explained_and_the_flow_stays_open(qtbot, paths, bridge
     assert flow.isVisible() and flow.currentId() == HABITS
     assert flow.habits_page.error.isVisible() and "Could not save the settings" in flow.habits_page.error.text()
     assert node.commands == []
+
+
+def test_the_last_page_says_what_start_will_do(qtbot, paths, bridge, node, login_item, memory_keyring):
+    flow = start(qtbot, paths, bridge, login_item)
+    flow.network_page.buttons[1].setChecked(True)  # only this computer
+    for _ in range(3):
+        next_page(flow)
+    assert flow.currentId() == HABITS
+    said = flow.habits_page.summary.text()
+    assert "small test model (about 0.5 GiB)" in said and "Nothing is earned" in said
+    assert "GPU 0 (NVIDIA GeForce RTX 4090), GPU 1 (NVIDIA GeForce RTX 3090) will answer" in said
+    click(flow, QWizard.WizardButton.BackButton)
+    flow.gpu_page.choice.boxes[1].setChecked(False)
+    click(flow, QWizard.WizardButton.BackButton)
+    click(flow, QWizard.WizardButton.BackButton)
+    flow.network_page.buttons[0].setChecked(True)  # the real network: a model it picks, within the GPUs lent
+    next_page(flow)
+    flow.sign_in_page.form.token.setText(TOKEN)
+    for _ in range(3):
+        next_page(flow)
+    said = flow.habits_page.summary.text()
+    assert "Downloads the model Test Network picks for your GPUs (at most 22.6 GiB" in said  # GPU 0's usable memory
+    assert "GPU 1" not in said and "It earns EUR for each answer" in said
+    assert node.commands == []  # nothing saved or started while the flow is open
+
+
+def test_a_price_no_home_pays_is_asked_about_once(qtbot, paths, bridge, node, login_item):
+    flow = start(qtbot, paths, bridge, login_item)
+    flow.network_page.buttons[1].setChecked(True)
+    assert next_page(flow) == PRICE
+    flow.price_page.price_field.price.setText("32")
+    assert next_page(flow) == PRICE  # asked, not refused
+    assert "did you mean $0.32?" in flow.price_page.error.text() and flow.price_page.error.isVisible()
+    assert next_page(flow) == GPUS  # the person meant it
+    assert flow.price_page.price == 32
+    click(flow, QWizard.WizardButton.BackButton)
+    flow.price_page.price_field.price.setText("0.32")
+    assert next_page(flow) == GPUS and not flow.price_page.error.isVisible()
+
+
+def test_the_game_pause_is_offered_only_where_games_can_be_seen(qtbot, paths, login_item):
+    from worker.node import autopause
+
+    blind = autopause.detection_limit(nvml=False, platform="linux")
+    node = ScriptedNode(replace(snapshots.idle(), game_detection=blind), paths=paths)
+    flow = start(qtbot, paths, Bridge(node), login_item)
+    flow.network_page.buttons[1].setChecked(True)
+    for _ in range(3):
+        next_page(flow)
+    assert not flow.habits_page.pause_for_games.isVisibleTo(flow)
+    assert "or play a game" not in flow.habits_page.summary.text()
+    seen = ScriptedNode(snapshots.idle(), paths=paths)
+    flow = start(qtbot, paths, Bridge(seen), login_item)
+    flow.network_page.buttons[1].setChecked(True)
+    for _ in range(3):
+        next_page(flow)
+    assert flow.habits_page.pause_for_games.isVisibleTo(flow)
