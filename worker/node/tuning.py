@@ -2,7 +2,8 @@
 shows and reports of it, and the measured arguments laid after an engine's tier.
 
 The search itself is `worker.node.tuner`'s; this module decides around it, pure but for
-`on_battery` (psutil). The rules (the contract's "Tuning (optional)"):
+`on_battery` (psutil), and `worker.node.autotune` carries its decisions out in the node. The
+rules (the contract's "Tuning (optional)"):
 - only where the coordinator offers `autotune` and the plan's engine block has an enabled `tune`
   block; a bad block (or a space naming what is never tuned) refuses the tuning only: the
   assignment serves untuned and `status.tuning.refused` says why;
