@@ -35,6 +35,7 @@ CHART_WINDOW_S = 3600.0  # the chart history the GUI may ask for, kept in memory
 SAMPLES_FLUSH_S = 10.0  # chart points reach the file this often (the GUI reads them from memory at once)
 EARNINGS_REFRESH_S = 60.0  # earnings are re-read after each credit, and this often for electricity and the day
 EARNINGS_DAYS = 30  # the days the earnings chart shows, today included
+CREDIT_READ_S = 1.0  # a stream of credits re-reads the earnings once a second, not once a request
 RATE_WINDOW_S = 86_400.0  # the net rate is over the serving minutes of the last day
 RATE_MIN_SERVED_MIN = 15  # fewer serving minutes than this make no rate: one request in a minute is not "per hour"
 PROJECTION_WINDOW_S = 7 * 86_400.0  # how many hours a day the node serves, judged over the last week
@@ -467,6 +468,9 @@ class Books:
         self._guard = threading.Lock()  # held while the ledger is used, so it is never used closed
         self._writes: set[asyncio.Future[Any]] = set()  # credits still being written
         self._earnings_read_at = float("-inf")
+        self._credit_lock = threading.Lock()
+        self._credit_read_at = float("-inf")  # monotonic: when a credit last re-read the earnings
+        self._unread_credit = False  # a credit since then waits for the next flush's re-read
         self.earnings: EarningsSnapshot | None = None
         self._charts: dict[str, deque[tuple[float, float]]] = {}  # the last CHART_WINDOW_S, in memory
         self._pending: list[tuple[float, dict[str, float]]] = []  # chart points not yet on disk
@@ -537,7 +541,9 @@ class Books:
 
         self.use(write)
         self._flushed_at = now
-        if now - self._earnings_read_at >= EARNINGS_REFRESH_S:
+        with self._credit_lock:
+            unread, self._unread_credit = self._unread_credit, False
+        if unread or now - self._earnings_read_at >= EARNINGS_REFRESH_S:
             self._earnings_read_at = now
             self.read_earnings()
 
@@ -556,12 +562,20 @@ class Books:
     def credit(self, request_id: str, run_id: str, model: str, prompt_tokens: int, completion_tokens: int,
                price: Price) -> None:
         """On the event loop: one finished request's earnings, written in the executor at once,
-        then the earnings read again."""
+        then the earnings read again, at most once a second (`CREDIT_READ_S`): a summary per request
+        would cost a busy node a good part of a core. A credit that falls in between shows at the
+        next flush, within `SAMPLES_FLUSH_S`."""
 
         def write() -> None:
             self.use(lambda ledger: ledger.record_request(
                 request_id, run_id, model, prompt_tokens, completion_tokens, price))
-            self.read_earnings()
+            with self._credit_lock:
+                due = time.monotonic() - self._credit_read_at >= CREDIT_READ_S
+                if due:
+                    self._credit_read_at = time.monotonic()
+                self._unread_credit = not due
+            if due:
+                self.read_earnings()
 
         future = asyncio.get_running_loop().run_in_executor(None, write)
         self._writes.add(future)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 import time
@@ -12,6 +13,7 @@ import pytest
 
 from worker.measure.ledger import (
     CHART_WINDOW_S,
+    CREDIT_READ_S,
     SAMPLES_FLUSH_S,
     SERVING_SERIES,
     Books,
@@ -329,6 +331,26 @@ async def test_books_credit_off_the_loop_and_wait_for_every_credit_before_closin
     assert books.earnings is not None and books.earnings.all_time == pytest.approx(20 * 0.40)
     with Ledger(tmp_path / "ledger.sqlite3") as ledger:
         assert ledger.summary().all_time == pytest.approx(20 * 0.40)
+
+
+async def test_a_stream_of_credits_reads_the_earnings_once_a_second_not_once_a_request(tmp_path: Path) -> None:
+    """A summary is a dozen queries over the day's and week's rows: one per request would cost a
+    busy node a good part of a core. The credits in between show at the next flush."""
+    books = Books(tmp_path / "ledger.sqlite3", lambda: "USD")
+    books.open()
+    summaries: list[str] = []
+    books.use(lambda ledger: ledger._db.set_trace_callback(
+        lambda sql: summaries.append(sql) if sql.startswith("WITH d(i, lo, hi)") else None))
+    started = time.monotonic()
+    for n in range(100):
+        books.credit(f"r-{n}", "run-1", "qwen", 0, 1_000_000, PRICE)
+    await asyncio.gather(*books._writes)
+    took = time.monotonic() - started
+    assert 1 <= len(summaries) <= 2 + took / CREDIT_READ_S  # the first credit's, then one a second at most
+    assert books.earnings is not None
+    books.flush(time.time())  # the node's next flush: the credits since are read
+    assert books.earnings is not None and books.earnings.all_time == pytest.approx(100 * 0.40)
+    await books.close()
 
 
 async def test_books_read_earnings_in_the_users_currency_and_chart_points_without_gaps(tmp_path: Path) -> None:
