@@ -136,12 +136,12 @@ class EarningsPanel(QFrame):
                 widget.setVisible(e.power_measured)
 
     def _show_rate(self, e: EarningsSnapshot) -> None:
-        net = ", net of electricity" if e.power_measured else ""
+        """The rate and projection are net where the card's title says so, gross where it does not."""
         self._values.set(
             "earn.per_hour",
             f"No hourly rate yet: it needs {RATE_MIN_SERVED_MIN} minutes of serving in the last 24 hours"
             if e.net_per_hour is None
-            else f"{money(e.net_per_hour, e.currency)} per hour while serving{net} (last 24 hours)",
+            else f"{money(e.net_per_hour, e.currency)} per hour while serving (last 24 hours)",
         )
         projection = self._values.labels["earn.projection"]
         projection.setVisible(e.projected_per_day is not None)

@@ -69,7 +69,7 @@ def test_earning_is_not_red_and_says_its_rate_and_projection(panel: EarningsPane
     assert colour(panel._values.labels["earn.headline"]) != theme.colours().error.upper()
     assert not panel.losing.isVisibleTo(panel)
     assert text(panel, "earn.title") == "EARNINGS, NET OF ELECTRICITY"
-    assert text(panel, "earn.per_hour") == "$0.19 per hour while serving, net of electricity (last 24 hours)"
+    assert text(panel, "earn.per_hour") == "$0.19 per hour while serving (last 24 hours)"
     assert text(panel, "earn.projection") == "At this rate: about $4.56 a day"
     assert text(panel, "energy_today") == "2.00 kWh used today at $0.30/kWh"
 
@@ -141,7 +141,7 @@ def test_the_real_ledgers_losing_day_reads_red(panel: EarningsPanel, tmp_path: P
     assert text(panel, "earn.losing") == "Electricity costs more than this earns: −$0.60 today."
     assert colour(panel._values.labels["earn.headline"]) == theme.colours().error.upper()
     assert panel.chart.isVisibleTo(panel)
-    assert text(panel, "earn.per_hour") == "−$0.60 per hour while serving, net of electricity (last 24 hours)"
+    assert text(panel, "earn.per_hour") == "−$0.60 per hour while serving (last 24 hours)"
 
 
 def test_todays_words_say_net_only_where_power_is_measured() -> None:
