@@ -3,8 +3,9 @@ warning, when electricity costs more than serving earns), the hourly rate and a 
 today / this week / all time, and the last 30 days as a chart.
 
 "Net of electricity" is said only where this machine's serving power is measured (NVML on its
-cards); elsewhere (a Mac, a CPU node) the card says electricity is not measured, shows what was
-earned, and does not ask for an electricity price it could not use."""
+cards) and charged at a price the person set; elsewhere (a Mac, a CPU node) the card says
+electricity is not measured, shows what was earned, and does not ask for an electricity price it
+could not use."""
 
 from __future__ import annotations
 
@@ -96,10 +97,10 @@ class EarningsPanel(QFrame):
     def show_earnings(self, e: EarningsSnapshot, node: NodeSnapshot | None = None) -> None:
         """`node`, where given, says what was served and why it earned nothing (local only)."""
         self._shown = (e, node)
-        measured = e.power_measured
-        self._values.set("earn.title", "EARNINGS, NET OF ELECTRICITY" if measured else "EARNINGS")
+        measured, netted = e.power_measured, net_of_electricity(e)
+        self._values.set("earn.title", "EARNINGS, NET OF ELECTRICITY" if netted else "EARNINGS")
         self._values.set("earn.headline", money(e.net_today, e.currency))
-        self._values.set("earn.headline.caption", "today, net of electricity" if measured else "earned today")
+        self._values.set("earn.headline.caption", "today, net of electricity" if netted else "earned today")
         self._show_table(e)
         self._show_rate(e)
         losing = _losing_words(e)
@@ -112,7 +113,7 @@ class EarningsPanel(QFrame):
         self._values.set("earn.empty", _empty_words(node))
         self._values.labels["earn.empty"].setVisible(not earned)
         self._values.labels["earn.chart_title"].setVisible(earned)
-        what = "Net" if measured else "Earned"
+        what = "Net" if netted else "Earned"
         self._values.set("earn.chart_title", f"{what} per day, last 30 days ({e.currency})")
         self.chart.setVisible(earned)
         if earned:
@@ -120,8 +121,8 @@ class EarningsPanel(QFrame):
         self._recolour()
 
     def _show_table(self, e: EarningsSnapshot) -> None:
-        """Earned, electricity and net per period; only what was earned where power is not measured
-        (an electricity column of zeros would read as "it costs nothing")."""
+        """Earned, electricity and net per period; only what was earned where electricity is not
+        charged (an electricity column of zeros would read as "it costs nothing")."""
         rows = {
             "today": (e.today, e.energy_cost_today, e.net_today),
             "week": (e.week, e.energy_cost_week, e.net_week),
@@ -133,7 +134,7 @@ class EarningsPanel(QFrame):
                 self._values.set(f"earn.{period}.{part}", shown)
         for widgets in self._columns.values():
             for widget in widgets:
-                widget.setVisible(e.power_measured)
+                widget.setVisible(net_of_electricity(e))
 
     def _show_rate(self, e: EarningsSnapshot) -> None:
         """The rate and projection are net where the card's title says so, gross where it does not."""
@@ -174,16 +175,22 @@ def tone(label: QLabel, amount: float, c: theme.Colours) -> None:
         label.setStyleSheet(style)
 
 
+def net_of_electricity(e: EarningsSnapshot) -> bool:
+    """The figures are net of electricity: this machine's serving power is measured and charged
+    at the person's price (measured but no price set: they are what was earned, and a nudge asks)."""
+    return e.power_measured and e.electricity_price_per_kwh > 0
+
+
 def today_words(e: EarningsSnapshot) -> str:
-    """Today's figure in a few words for the tray and the stat card: "net" only where this
-    machine's power is measured ("$2.23 net today", "$2.84 earned today")."""
-    return f"{money(e.net_today, e.currency)} {'net' if e.power_measured else 'earned'} today"
+    """Today's figure in a few words for the tray and the stat card: "net" only where it is
+    (`net_of_electricity`): "$2.23 net today", "$2.84 earned today"."""
+    return f"{money(e.net_today, e.currency)} {'net' if net_of_electricity(e) else 'earned'} today"
 
 
 def _losing_words(e: EarningsSnapshot) -> str | None:
     """The plain warning while electricity costs more than serving earns: today's net, else the
     rate's while today has not lost yet."""
-    if not e.power_measured:
+    if not net_of_electricity(e):
         return None
     if e.net_today < 0:
         return f"Electricity costs more than this earns: {money(e.net_today, e.currency)} today."

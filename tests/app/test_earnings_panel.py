@@ -147,3 +147,14 @@ def test_the_real_ledgers_losing_day_reads_red(panel: EarningsPanel, tmp_path: P
 def test_todays_words_say_net_only_where_power_is_measured() -> None:
     assert today_words(LOSING) == "−$0.50 net today"
     assert today_words(replace(EARNING, power_measured=False, energy_cost_today=0.0)) == "$2.84 earned today"
+
+
+def test_measured_without_a_price_is_not_called_net(panel: EarningsPanel) -> None:
+    unpriced = replace(EARNING, electricity_price_per_kwh=0.0, energy_cost_today=0.0, energy_cost_week=0.0,
+                       energy_cost_all_time=0.0)
+    panel.show_earnings(unpriced)
+    assert text(panel, "earn.title") == "EARNINGS" and text(panel, "earn.headline.caption") == "earned today"
+    assert not seen(panel, "earn.today.energy")  # no "$0.00" of electricity: it is not free, only unpriced
+    assert text(panel, "energy_today") == "2.00 kWh used today"  # measured, so said
+    assert panel.nudge.isVisibleTo(panel)
+    assert today_words(unpriced) == "$2.84 earned today"
