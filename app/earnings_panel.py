@@ -32,7 +32,7 @@ class EarningsPanel(QFrame):
         super().__init__()
         self.setObjectName("card")
         self._values = values
-        self._shown: tuple[EarningsSnapshot, NodeSnapshot | None] | None = None
+        self._shown: EarningsSnapshot | None = None  # recoloured when the theme changes
         layout = QVBoxLayout(self)
         layout.setContentsMargins(18, 14, 18, 16)
         layout.setSpacing(10)
@@ -96,7 +96,7 @@ class EarningsPanel(QFrame):
 
     def show_earnings(self, e: EarningsSnapshot, node: NodeSnapshot | None = None) -> None:
         """`node`, where given, says what was served and why it earned nothing (local only)."""
-        self._shown = (e, node)
+        self._shown = e
         measured, netted = e.power_measured, net_of_electricity(e)
         self._values.set("earn.title", "EARNINGS, NET OF ELECTRICITY" if netted else "EARNINGS")
         self._values.set("earn.headline", money(e.net_today, e.currency))
@@ -151,9 +151,9 @@ class EarningsPanel(QFrame):
 
     def _recolour(self) -> None:
         """Figures below zero in the theme's error colour (again when the theme changes)."""
-        if self._shown is None:
+        e = self._shown
+        if e is None:
             return
-        e = self._shown[0]
         c = theme.colours()
         figures = {
             "earn.headline": e.net_today,

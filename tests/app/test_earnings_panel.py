@@ -158,3 +158,11 @@ def test_measured_without_a_price_is_not_called_net(panel: EarningsPanel) -> Non
     assert text(panel, "energy_today") == "2.00 kWh used today"  # measured, so said
     assert panel.nudge.isVisibleTo(panel)
     assert today_words(unpriced) == "$2.84 earned today"
+
+
+def test_a_loss_stays_red_when_the_scheme_changes(panel: EarningsPanel, qapp, scheme) -> None:
+    panel.show_earnings(LOSING)
+    other = "dark" if scheme == "light" else "light"
+    theme.install(qapp, other)
+    assert colour(panel._values.labels["earn.headline"]) == theme.SCHEMES[other].error.upper()
+    theme.install(qapp, scheme)
