@@ -31,7 +31,9 @@ class _Cause:
     advice: str  # what to do; "then Retry" is added where the app gave up
 
 
-_MEMORY = _Cause("Not enough GPU memory for this model", "{engine} ran out of GPU memory.", _CLOSE_GPU_PROGRAMS)
+_FIT_ADVICE = ("Close games or other programs using the GPU if any are open, or lend the GPU more of its "
+               "memory in Settings")  # a card nothing else uses has nothing to close
+_MEMORY = _Cause("Not enough GPU memory for this model", "{engine} ran out of GPU memory.", _FIT_ADVICE)
 _RAM_HELD = _Cause("Other programs are using the computer's memory",
                    "{engine} needs memory (RAM) that other programs hold.",
                    "Close programs you are not using; the model starts once the memory is free")
@@ -43,7 +45,7 @@ _WSL_MEMORY = _Cause("WSL2 ran out of memory",
 _BY_KIND: dict[str, _Cause] = {
     "oom": _MEMORY,
     "context": _Cause("Not enough GPU memory for this model's chats",
-                      "The model fits, but not the memory its conversations need beside it.", _CLOSE_GPU_PROGRAMS),
+                      "The model fits, but not the memory its conversations need beside it.", _FIT_ADVICE),
     "free_memory": _Cause("Another program is using the GPU",
                           "{engine} needs GPU memory that another program holds.",
                           f"{_CLOSE_GPU_PROGRAMS}; the model starts once the memory is free"),
@@ -54,7 +56,7 @@ _BY_KIND: dict[str, _Cause] = {
     "unstartable": _Cause("The engine could not be started", "{engine} could not be started on this computer.",
                           "Reinstall the app if this keeps happening"),
     "crashed": _Cause("The model stopped unexpectedly", "{engine} quit with an error.",
-                      "If this keeps happening, restart the computer or update the graphics driver"),
+                      "If this keeps happening, restart the computer"),  # a driver is named only by its own lines
 }
 # What an engine's own lines say (its `FAILURE_HINTS`), before what its exit alone would.
 _BY_CAUSE: dict[FailureCause, _Cause] = {

@@ -46,7 +46,8 @@ def shown(problem: Problem) -> str:
 def test_vllm_running_out_of_memory_says_so_and_what_to_do_never_a_flag() -> None:
     problem = engine_problem("vllm", Ended("oom", VLLM_OOM, 3.0, False, ("loading", VLLM_OOM)), gave_up=True)
     assert problem.title == "Not enough GPU memory for this model"
-    assert "Close games or other programs using the GPU, then Retry." in problem.message
+    assert problem.message.endswith("Close games or other programs using the GPU if any are open, or lend the GPU "
+                                    "more of its memory in Settings, then Retry.")  # advice for an empty card too
     assert problem.action == "retry" and problem.retry_at is None
     assert VLLM_OOM in problem.details and problem.title not in problem.details
     assert not any(flag in shown(problem) for flag in FLAGS)
@@ -76,6 +77,13 @@ def test_an_out_of_memory_crash_is_told_by_its_lines_not_its_exit_status(lines: 
 def test_each_known_failure_line_has_its_own_title(engine: str, line: str, title: str) -> None:
     problem = engine_problem(engine, crashed(["starting", line]), gave_up=True)
     assert problem.title == title and "--dtype" not in shown(problem)
+
+
+def test_a_crash_gives_advice_any_computer_can_follow() -> None:
+    """A crash with no line naming its cause says nothing of a graphics driver: a computer serving on
+    its CPU has none (the driver is named only where the engine's own lines blame it)."""
+    problem = engine_problem("llamacpp", crashed(["segmentation fault"]), gave_up=True)
+    assert "driver" not in problem.message and problem.message.endswith("restart the computer, then Retry.")
 
 
 def test_a_llama_cpp_crash_is_not_blamed_on_the_card_its_device_line_names() -> None:
