@@ -30,6 +30,9 @@ CAPACITY_WINDOW_S = 30
 sustains, yet half a minute of real load is enough to find it."""
 
 
+MIN_DECODE_SPAN_S = 0.05  # first to last token: under it the tokens came in one burst, not at decode speed
+
+
 @dataclass
 class _Request:
     """One request's timeline, as the relay saw it."""
@@ -47,8 +50,8 @@ class _Request:
         if not self.ok or self.first_token_at is None or self.last_token_at is None:
             return None
         span = self.last_token_at - self.first_token_at
-        if self.tokens_so_far < 2 or span <= 0:
-            return None
+        if self.tokens_so_far < 2 or span < MIN_DECODE_SPAN_S:
+            return None  # tokens that arrived together time nothing a caller saw
         return (self.tokens_so_far - 1) / span
 
     def tokens_between(self, start: float, end: float) -> float:

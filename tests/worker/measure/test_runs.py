@@ -112,6 +112,20 @@ def test_the_per_request_rate_is_a_median_over_completed_requests() -> None:
     assert meter.snapshot(100.0).per_request_tokens_per_s == pytest.approx(25.0)
 
 
+def test_tokens_that_arrive_in_one_burst_give_no_per_request_speed() -> None:
+    """A whole (non-streamed) body, or a stream whose chunks came together, times no decode: the
+    request counts, but it never reads as thousands of tok/s beside the real figure."""
+    meter = RunMeter("run-1", started_at=0.0, warmup_requests=0)
+    stream(meter, "burst", 0.0, 0.5, 300, 0.004)  # 299 tokens "decoded" in 4 ms
+    meter.request_started("whole", 10.0)
+    meter.request_finished("whole", 12.0, Usage(prompt_tokens=10, completion_tokens=256))
+    stream(meter, "real", 20.0, 0.5, 101, 2.0)
+
+    snap = meter.snapshot(30.0)
+    assert snap.requests == 3 and snap.run_tokens == 657
+    assert snap.per_request_tokens_per_s == pytest.approx(50.0)
+
+
 def test_failed_and_cancelled_requests_count_tokens_but_give_no_speed() -> None:
     meter = RunMeter("run-1", started_at=0.0, warmup_requests=0)
     meter.request_started("cancelled", 0.0)
