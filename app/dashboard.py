@@ -161,8 +161,8 @@ class Dashboard(QMainWindow):
     def _build_stats(self) -> Reflow:
         cards = []
         for key, title in (
-            ("tokens_per_s", "Speed now"),
-            ("in_flight", "Requests in flight"),
+            ("tokens_per_s", "Speed now, all requests"),
+            ("in_flight", "Requests being answered"),
             ("earned_today", "Net earnings today"),
             ("effective_vram", "Memory for models"),
         ):
@@ -242,13 +242,13 @@ class Dashboard(QMainWindow):
         set_dimmed(capacity, t.capacity_tokens_per_s is None)
         details = []
         if t.per_request_tokens_per_s is not None:
-            details.append(f"{rate(t.per_request_tokens_per_s)} per request")
+            details.append(f"each request gets {rate(t.per_request_tokens_per_s)}")
         if t.ttft_p50_s is not None:
             details.append(f"first word after {t.ttft_p50_s:.2f} s")
         idle = "the best speed of the last run" if snapshot.last_capacity else "measured while serving"
         self.values.set("tokens_per_s.detail", " · ".join(details) or idle)
         self.values.set("in_flight", str(snapshot.in_flight))
-        self.values.set("in_flight.detail", f"{t.requests:,} served · {t.run_tokens:,} tokens this run")
+        self.values.set("in_flight.detail", f"{t.requests:,} answered · {t.run_tokens:,} tokens this run")
         e = snapshot.earnings
         self.values.set("earned_today", money(e.net_today, e.currency))
         per_hour = [] if e.net_per_hour is None else [f"{money(e.net_per_hour, e.currency)} per hour"]

@@ -124,17 +124,21 @@ class EngineCard(QFrame):
 
 
 def memory_words(engine: EngineSnapshot) -> str:
-    if not engine.memory_mib:
-        return ""
+    """The engine's own memory: the graphics memory it may hold on its cards, or on the CPU the
+    memory its chats take (never the RAM budget the plan allowed it, which is most of the machine's)."""
     usage = "" if engine.kv_usage_pct is None else f" · {engine.kv_usage_pct:.0f}% of its chat memory in use"
-    return f"{gib(engine.memory_mib)} set aside{usage}"
+    if engine.gpu_indices and engine.memory_mib:
+        return f"Up to {gib(engine.memory_mib)} of graphics memory{usage}"
+    if not engine.gpu_indices and engine.kv_cache_gib is not None:
+        return f"{engine.kv_cache_gib:.1f} GiB of memory for chats{usage}"
+    return ""
 
 
 def requests_words(engine: EngineSnapshot) -> str:
-    if engine.requests_running is None:
+    """Requests waiting for a turn (those being answered are the dashboard's one in-flight figure)."""
+    if not engine.requests_waiting:
         return ""
-    waiting = f" · {engine.requests_waiting} waiting" if engine.requests_waiting else ""
-    return f"{engine.requests_running} running{waiting}"
+    return f"{engine.requests_waiting} waiting for a turn"
 
 
 def health_words(engine: EngineSnapshot) -> str:

@@ -56,7 +56,7 @@ def test_serving_shows_the_measured_figures_in_plain_words(dashboard, node, brid
     assert d.text("tokens_per_s") == "846 tok/s"  # live, not the run's average (812)
     assert d.text("capacity") == "Best sustained 912 tok/s"
     assert d.values.labels["capacity"].property("dimmed") is False
-    assert d.text("tokens_per_s.detail") == "71.2 tok/s per request · first word after 0.21 s"
+    assert d.text("tokens_per_s.detail") == "each request gets 71.2 tok/s · first word after 0.21 s"
     assert d.text("in_flight") == "3"
     assert d.text("earned_today") == "$2.23"
     assert d.text("earned_today.detail") == "$0.19 per hour · this week $13.48"
@@ -70,7 +70,9 @@ def test_serving_shows_the_measured_figures_in_plain_words(dashboard, node, brid
     assert d.text("engine:engine-0.state") == "Serving"
     assert d.text("engine:engine-0.context") == "32k tokens per chat, 8 chats at once"
     assert "284,512 tokens" in d.values.labels["engine:engine-0.context"].toolTip()  # the KV budget
-    assert d.text("engine:engine-0.memory") == "40.7 GiB set aside · 37% of its chat memory in use"
+    assert d.text("engine:engine-0.memory") == "Up to 40.7 GiB of graphics memory · 37% of its chat memory in use"
+    assert not d.values.labels["engine:engine-0.requests"].isVisibleTo(d)  # 3 being answered: one figure, above
+    assert d.text("in_flight.detail") == "1,842 answered · 1,204,330 tokens this run"
     assert d.text("earn.week.net") == "$13.48"
     assert d.text("earn.all_time.energy") == "−$22.05"
     assert d.text("earn.per_hour") == "$0.19 per hour while serving (last 24 hours)"
@@ -246,6 +248,24 @@ def test_a_cpu_node_has_no_gpu_charts(dashboard, node, bridge, qtbot):
     assert dashboard.values.labels["no_gpus"].isVisibleTo(dashboard)
     assert set(dashboard.charts.curves) == {"tokens_per_s", "kv_usage"}
     assert not any(dashboard.charts.plots[k].isVisibleTo(dashboard) for k in ("util_pct", "power_w", "temperature_c"))
+
+
+def test_figures_that_agree_on_a_cpu_node(dashboard, node, bridge, qtbot):
+    """The tiny demo on the CPU: the memory shown is its chats', not the RAM budget the plan allowed
+    (most of the machine's); speeds are labelled as all requests vs each; one in-flight figure."""
+    cpu = snapshots.cpu_serving()
+    engine = replace(cpu.engines[0], memory_mib=24_064, kv_cache_gib=0.19, requests_running=1, requests_waiting=2)
+    show(node, qtbot, bridge, replace(cpu, engines=(engine,), in_flight=0,
+                                      throughput=replace(cpu.throughput, live_tokens_per_s=71.2,
+                                                         per_request_tokens_per_s=3_768.0)))
+    d = dashboard
+    assert d.text("engine:engine-0.memory") == "0.2 GiB of memory for chats · 37% of its chat memory in use"
+    assert "23.5" not in on_screen(d)
+    assert d.text("tokens_per_s") == "71.2 tok/s" and d.text("tokens_per_s.detail").startswith(
+        "each request gets 3,768 tok/s")
+    assert "ALL REQUESTS" in on_screen(d).upper()
+    assert d.text("engine:engine-0.requests") == "2 waiting for a turn"
+    assert "running" not in on_screen(d)
 
 
 def test_detecting_says_so(dashboard, node, bridge, qtbot):
