@@ -5,18 +5,19 @@ if it beats it by at least max(`min_gain_pct`, twice the measured run-to-run spr
 
 - the gain is the median of the interleaved pairs' ratios (candidate ÷ the baseline run beside
   it), so slow drift (a warming CPU, a throttling card) cancels pair by pair;
-- the run-to-run spread is how far two runs fall apart, measured two ways and the larger kept:
-  between each run of a config and its next (so drift, slow from run to run, hardly counts), and
-  between the pairs' ratios (candidate and baseline runs side by side);
+- the run-to-run spread is how far two runs of one start fall apart, measured two ways and the
+  larger kept: between each run of a config and its next (so drift, slow from run to run, hardly
+  counts), and between each pair's ratio and the next's (candidate and baseline side by side);
 - both are medians of absolute deviations, scaled to a standard deviation, so the odd wild run a
   busy machine produces moves neither; and both are taken on the logarithm of tok/s, so a
   doubling and a halving are the same size and a large noise still compounds honestly;
 - runs come in blocks, each a fresh start of both engines, and a start can shift a config's speed
   as a whole (where its memory landed, a cache, another program), which successive runs of one
   start never show: the noise is the larger of the run-to-run spread and what the spread of the
-  blocks' own gains can fake (half the gain that blocks as far apart fake one time in forty,
-  Student's t: two blocks must agree far more closely than four), and blocks that disagree on the
-  gain's sign make the result `UNSTABLE` (the tuner measures another block while its budget lasts).
+  blocks' own gains can fake (half the gain that blocks as far apart fake one time in a hundred,
+  Student's t: two blocks must agree far more closely than four; a hundred, not forty, as the
+  tuner may look again after another block), and blocks that disagree on the gain's sign make the
+  result `UNSTABLE` (the tuner measures another block while its budget lasts).
 
 With `REPEATS` pairs a candidate that is no faster is adopted about twice in 100,000 decisions
 (Gaussian noise of any size), and one 2 × the threshold faster is adopted 99 % of the time;
@@ -32,8 +33,9 @@ from dataclasses import dataclass
 
 REPEATS = 12  # interleaved baseline/candidate pairs of the re-measure
 MAD_TO_SD = 1.4826  # a normal distribution's standard deviation per median absolute deviation
-# Student's t, one-sided 2.5 %, for 1, 2, … degrees of freedom (the last stands for more)
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179)
+# Student's t, one-sided 1 %, for 1, 2, … degrees of freedom (the last stands for more): stricter
+# than one in forty, because the tuner may look again after one more block (up to twice as many)
+T_99 = (31.821, 6.965, 4.541, 3.747, 3.365, 3.143, 2.998, 2.896, 2.821, 2.764, 2.718, 2.681)
 BELOW_THRESHOLD = "below_threshold"  # it gained less than `min_gain_pct`
 UNSTABLE = "unstable"  # it gained `min_gain_pct`, but no more than twice what the noise can fake
 
@@ -69,7 +71,7 @@ def decide_blocks(baseline: Sequence[Sequence[float]], candidate: Sequence[Seque
     after = [_logs(block) for block in candidate]
     ratios = [[mine - theirs for theirs, mine in zip(b, a)] for b, a in zip(before, after)]
     flat = [ratio for block in ratios for ratio in block]
-    within = max(_successive_sd(_joined(before), _joined(after)), _sd(flat))
+    within = max(_successive_sd(before, after), _successive_sd(ratios) / math.sqrt(2)) if len(flat) > len(ratios) else _sd(flat)
     gains = [statistics.median(block) for block in ratios]
     between = _block_sd(gains)
     noise = max(within, between)
@@ -84,11 +86,11 @@ def decide_blocks(baseline: Sequence[Sequence[float]], candidate: Sequence[Seque
 
 
 def _block_sd(gains: Sequence[float]) -> float:
-    """Half the gain that blocks as far apart as these fake one time in forty with no true gain
+    """Half the gain that blocks as far apart as these fake one time in a hundred with no true gain
     (Student's t on the blocks' gains), so that `gain < 2 * noise` holds for as few blocks as given."""
     if len(gains) < 2:
         return 0.0
-    return T_975[min(len(gains) - 1, len(T_975)) - 1] * statistics.stdev(gains) / math.sqrt(len(gains)) / 2
+    return T_99[min(len(gains) - 1, len(T_99)) - 1] * statistics.stdev(gains) / math.sqrt(len(gains)) / 2
 
 
 def _joined(blocks: Sequence[Sequence[float]]) -> list[float]:
@@ -106,15 +108,17 @@ def _sd(values: Sequence[float]) -> float:
     return MAD_TO_SD * statistics.median(abs(value - middle) for value in values)
 
 
-def _successive_sd(first: Sequence[float], second: Sequence[float]) -> float:
-    """One standard deviation of the step from a run to the next run of the same config, over
-    both configs (each about its own median step, which a steady drift shifts)."""
+def _successive_sd(*series: Sequence[Sequence[float]]) -> float:
+    """One standard deviation of the step from a value to the next within one block (one start),
+    pooled over the series given (each about its own median step, which a steady drift shifts);
+    a step from one block to the next is a start's shift, which `_block_sd` weighs instead."""
     deviations: list[float] = []
-    for values in (first, second):
-        steps = [later - earlier for earlier, later in zip(values, values[1:])]
-        middle = statistics.median(steps)
-        deviations += [abs(step - middle) for step in steps]
-    return MAD_TO_SD * statistics.median(deviations)
+    for blocks in series:
+        steps = [later - earlier for block in blocks for earlier, later in zip(block, block[1:])]
+        if steps:
+            middle = statistics.median(steps)
+            deviations += [abs(step - middle) for step in steps]
+    return MAD_TO_SD * statistics.median(deviations) if deviations else 0.0
 
 
 def _pct(log_ratio: float) -> float:
