@@ -53,6 +53,7 @@ _PAUSE_WORDS = {
 }
 
 _CONNECTION_FAILURES = ("banned", "taken_over", "update_required")
+_GUARD_REASONS = ("too_hot", "battery", "costs")  # the lender's limits paused it
 
 
 def headline(snapshot: NodeSnapshot, now: float) -> Headline:
@@ -132,7 +133,10 @@ def _paused(snap: NodeSnapshot, now: float) -> Headline | None:
     if not snap.paused:
         return None
     title = pause_title(snap, now)
-    detail = "Your GPU is all yours" if snap.pause_reason in ("user", "timed", "game") else (snap.pause_detail or "")
+    if snap.pause_reason in _GUARD_REASONS:
+        detail = snap.limits.words or ""  # the limit's own step: "paused until every GPU is at 75 °C …"
+    else:
+        detail = "Your GPU is all yours" if snap.pause_reason in ("user", "timed", "game") else ""
     return _make("paused", title, detail, "resume", title)
 
 

@@ -127,9 +127,11 @@ def build_status(
 ) -> protocol.Status:
     """The `status` message: what the coordinator learns of this node (`engines` with the
     measured arguments each runs with laid over them: `engine_views`), the lender's limits now
-    and the download in progress."""
+    and the download in progress (the node is `configured` meanwhile, as the contract says, even
+    before the assignment it fetches for is adopted)."""
+    download = download_status(downloads)
     return protocol.Status(
-        state=state,
+        state="configured" if state == "idle" and download is not None else state,
         assignment_id=assignment.assignment_id if assignment else None,
         model=assignment.model.name if assignment else None,
         last_error=problem.message if problem else None,
@@ -172,7 +174,7 @@ def build_status(
         in_flight=in_flight,
         tuning=tuning_status(tuning),
         limits=limits_status(limits),
-        download=download_status(downloads),
+        download=download,
     )
 
 

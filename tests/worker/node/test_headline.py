@@ -12,6 +12,7 @@ from worker.contract.events import (
     ConnectionSnapshot,
     DownloadProgress,
     EngineSnapshot,
+    LimitsSnapshot,
     NodeSnapshot,
     Problem,
     RoutingNotice,
@@ -127,6 +128,15 @@ def test_paused_says_why_and_until_when_and_offers_resume(reason: str, detail: s
     head = headline(snap, NOW)
     assert (head.kind, head.title, head.action, head.action_label, head.not_earning) == (
         "paused", title, "resume", "Resume", title)
+
+
+def test_a_pause_for_the_lenders_limits_says_the_step_taken() -> None:
+    words = "GPU 0 at 86 °C: paused until every GPU is at 75 °C or cooler (your limit is 80 °C)"
+    snap = of(SERVING, paused=True, pause_reason="too_hot", pause_detail="GPU 0 at 86 °C", state="paused",
+              limits=LimitsSnapshot(max_requests=1, reason="too_hot", words=words))
+    head = headline(snap, NOW)
+    assert (head.title, head.detail) == ("Paused: GPU 0 at 86 °C", words)
+    assert headline(of(snap, pause_reason="user", pause_detail=None), NOW).detail == "Your GPU is all yours"
 
 
 def test_a_pause_on_another_day_names_the_day() -> None:

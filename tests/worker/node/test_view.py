@@ -306,3 +306,6 @@ def test_the_status_carries_the_download_in_progress_and_the_limits() -> None:
     assert status_key(status([going])) != status_key(status([held]))  # held: said at once
     assert status_key(status([going])) != status_key(status([]))  # ended
     assert status_key(status([])) != status_key(status([], LimitsSnapshot(max_requests=2, reason="too_hot")))
+    first = build_status(state="idle", assignment=None, problem=None, refused=None, engines=[],
+                         figures=ThroughputSnapshot(), gpus=[], in_flight=0, downloads=[going])
+    assert first.state == "configured"  # fetching for an assignment not adopted yet
