@@ -187,17 +187,17 @@ def _alive(pid: int) -> bool:
 @asynccontextmanager
 async def running_node(tmp_path: Path, engine_bins: dict[str, str], *, fixture: str = "rtx4090.json",
                        assign: protocol.Assign | None = None, engines: int = 1,
-                       configure: Callable[[Node], None] = lambda node: None,
+                       configure: Callable[[Node], None] = lambda node: None, settings: Settings = Settings(),
                        **node_options: Any) -> AsyncIterator[Running]:
-    """Starts a coordinator and a Node on a recorded machine (`node_options` to `Node`,
-    `configure` before it runs); on the way out shuts the node down and checks that no engine
-    process is left."""
+    """Starts a coordinator and a Node on a recorded machine (`settings` and `node_options` to
+    `Node`, `configure` before it runs); on the way out shuts the node down and checks that no
+    engine process is left."""
     coordinator = ReferenceCoordinator(token=TOKEN, heartbeat_s=1.0, price=PRICE, assign=assign)
     await coordinator.start()
     first_port = free_ports(engines)
     node = Node(
         Paths.under(tmp_path / "node"),
-        Settings(),
+        settings,
         coordinator_url=coordinator.url,
         hardware_override=hardware_file(tmp_path, fixture),
         engine_bins=engine_bins,

@@ -57,7 +57,7 @@ def test_headless_agent_serves_reports_status_and_stops_on_sigterm(tmp_path: Pat
         found = until_ready(data_dir, agent)
         assert found["pid"] == agent.pid and found["snapshot"]["model"] == "fake-model"
         table = status(data_dir)
-        assert table.returncode == 0 and "state       ready" in table.stdout and "fake-model" in table.stdout
+        assert table.returncode == 0 and "State       Serving · fake-model" in table.stdout
         assert "445,888 tokens" in table.stdout  # the KV budget the stand-in printed
 
         assert found["local_endpoint"]["url"] == f"http://127.0.0.1:{port}/v1"

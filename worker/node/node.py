@@ -5,8 +5,12 @@ update and shutdown. Each part owns its state: the coordinator connection (`Upli
 (`EngineSet`), the GPUs (`GpuWatch`), the relay's measurements (`Metering`, the relay's hooks),
 the ledger (`Books`), who hears what and when (`Publisher`, with the `StatusFile`), whether the
 computer may sleep (`KeepAwake`: not while an engine serves), auto-tune (`AutoTune`: the held
-plan's tuning, its searches and the kept result on each launch); `node_view`
-builds what the node shows and reports. The Node composes them on one asyncio loop, keeps the
+plan's tuning, its searches and the kept result on each launch), the lender's limits (`Guard`,
+judged each second: the relay's cap of requests at once, a pause while too hot, on battery or
+losing money), downloads (`TransferControl`: held while paused or a game runs, paced, counted,
+cancelled); `node_view` builds what the node shows and reports. The desktop app's node
+(`wait_for_setup`) detects and then waits for the first-run flow before it connects, downloads
+or starts anything. The Node composes them on one asyncio loop, keeps the
 assignment, the plan and the pause, and turns coordinator messages and user commands into actions
 in the right order: what to do is `policy`'s to decide, pure, and the Node carries it out; the
 1 Hz sampling is `sampler`'s. Commands (`pause`, `resume`, `retry`, `save_settings`, `sign_out`,
@@ -37,7 +41,9 @@ from worker.system.datalock import DataFolderInUse, DataFolderLock
 from worker.system.keepawake import KeepAwake, PowerAssertion, platform_assertion
 from worker.node.provision_failure import network_failure, offline_problem, provision_problem
 from worker.serve.engine_set import EngineSet
-from worker.contract.events import EngineSnapshot, NodeSnapshot, NodeState, Problem
+from worker.contract.events import (
+    DownloadHold, EngineSnapshot, LimitsSnapshot, NodeSnapshot, NodeState, Problem, RoutingNotice,
+)
 from worker.measure.gpu_watch import GpuWatch
 from worker.hardware import Machine, NvmlSource, PynvmlSource
 from worker.hardware.nvml import find_wsl_nvml_library
@@ -48,12 +54,17 @@ from worker.measure.metering import Metering
 from worker.link.outgoing import Outgoing
 from worker.node.sampler import Sampler
 from worker.node.autotune import AutoTune, Hooks
+from worker.node.guard import Guard, GuardInput, limits_message
+from worker.node.reminders import Reminders
+from worker.node.tuning import on_battery
 from worker.node.tuner import TunerSettings
 from worker.node.view import Pause, build_hello, build_snapshot, build_status, engine_views
 from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
+from worker.plan.share_preview import SharePreview, preview
 from worker.serve.process import reap_leftovers
 from worker.provision.assignment import OFFLINE_BACKOFF, OfflineRetry, provision
 from worker.provision.errors import ProvisionError
+from worker.provision.transfer import DownloadCancelled, MonthlyBudget, TransferControl, budget_path
 from worker.node.publisher import Publisher, Subscriber
 from worker.relay.forward import Relay, engine_http_client
 from worker.serve.restart_policy import RestartBackoff
@@ -89,13 +100,18 @@ class Node:
         power: PowerAssertion | None = None,
         tuner_settings: TunerSettings = TunerSettings(),
         local_tune: dict[str, Any] | None = None,
+        wait_for_setup: bool = False,
     ) -> None:
         """`offline_backoff`: when a download or install the network cut short is tried again;
         `power`: what keeps the computer awake while it serves (None: this platform's own);
         `tuner_settings`: how hard a tuning measures (tests shrink it); `local_tune`: with the
-        local coordinator, the contract's `tune` block its assignment carries (`local_tune_block`)."""
+        local coordinator, the contract's `tune` block its assignment carries (`local_tune_block`);
+        `wait_for_setup`: the desktop app's node, which waits for the first-run flow
+        (`Settings.setup_complete`) before it connects, downloads or starts anything."""
         self.paths = paths.ensure()
         self.settings = settings
+        self._wait_for_setup = wait_for_setup
+        self._set_up = asyncio.Event()  # the first-run flow finished (or was never asked for)
         self._hardware_override = hardware_override
         self._engine_bins = dict(engine_bins or {})
         self._first_port = first_port
@@ -120,7 +136,8 @@ class Node:
                                 settings=lambda: self.settings, clock=clock)
         self._last_heartbeat = monotonic()
         self._status_file = StatusFile(self.paths, lambda: self._owner.held, monotonic)
-        self._news = Publisher(self._build_snapshot, self._status, self._send, self._status_file)
+        self._news = Publisher(self._build_snapshot, self._status, self._send, self._status_file,
+                               reminders=Reminders(lambda: self.settings, monotonic))
         self._engine_http = engine_http_client()
         # No default outlet: the link hands each request the connection it came on. The relay
         # tells `Metering` of generations, and asks `_gate` whether it may take a request now.
@@ -141,6 +158,14 @@ class Node:
         self._awake = KeepAwake(power if power is not None else platform_assertion())
         self._autotune = AutoTune(self.paths, self._tuning_hooks(), self._tasks, settings=tuner_settings,
                                   monotonic=monotonic)
+        self._routing: RoutingNotice | None = None  # the network's latest word on the traffic it sends
+        self._guard = Guard(settings, clock=monotonic)
+        self._limits = LimitsSnapshot(settings.max_requests, settings.memory_share_pct)  # the guard's from the first second
+        self._relay.set_max_requests(settings.max_requests)
+        self._overridden: str | None = None  # a guard's reason the person resumed over, until it clears
+        self._transfer = TransferControl(limit_mib_s=settings.download_limit_mib_s, budget=self._budget(settings))
+        self._download_hold: tuple[DownloadHold, str | None] | None = None  # the hold the pause puts on downloads
+        self._guard_resuming = False
 
     # --- commands (any thread) ----------------------------------------------------------------
 
@@ -157,7 +182,31 @@ class Node:
         self._tasks.call(lambda: self._tasks.spawn(self._do_pause(why, until, detail)))
 
     def resume(self) -> None:
-        self._tasks.call(lambda: self._tasks.spawn(self._locked(policy.Resumed("user"))))
+        self._tasks.call(lambda: self._tasks.spawn(self._resume_by_person()))
+
+    def pause_download(self) -> None:
+        """The person's pause of downloads alone: held until `resume_download` (serving goes on)."""
+        self._transfer.hold("paused_by_you")
+        self._tasks.call(self._news.publish)
+
+    def resume_download(self) -> None:
+        self._transfer.release("paused_by_you")
+        self._tasks.call(self._news.publish)
+
+    def cancel_download(self) -> None:
+        """The running download stops and its partial file goes; the node pauses, the assignment
+        kept (not a failure): Resume fetches it again."""
+        self._transfer.cancel()
+
+    def preview_share(self, gpu_index: int, pct: int) -> SharePreview:
+        """What lending `pct` % of this card would leave for the desktop and let the engine hold,
+        before it is saved (from the engine's measured KV where one serves on it). `ValueError`:
+        no such card, or a share outside 10-100 %."""
+        snap = self.snapshot()
+        gpu = next((g for g in snap.gpus if g.index == gpu_index), None)
+        if gpu is None:
+            raise ValueError(f"no GPU {gpu_index} on this computer")
+        return preview(gpu, pct, snap.engines, reserve_mib=self.settings.memory_reserve_mib)
 
     def save_settings(self, settings: Settings) -> None:
         """The one place settings are saved: written (on the calling thread, so that a dialog can
@@ -219,24 +268,49 @@ class Node:
         self._game_detection = await asyncio.to_thread(autopause.detection_limit, nvml=self._gpus.nvml is not None)
         await asyncio.to_thread(self._books.open)
         try:
-            await self._step(policy.ProblemFound(await self._uplink.open(self.machine)))  # a local model that cannot be served
-            self._run_link()
-            self._updater = Updater(
-                self.paths,
-                self.settings,
-                NodeHooks(self._in_flight, self._stop_serving, self._resume_serving, self._exit_for_update),
-                on_progress=self._news.on_download,
-                on_status=self._on_update_status,
-            )
-            self._tasks.spawn(self._updater.run_feed_checks())
             self._last_heartbeat = self._monotonic()
-            self._tasks.spawn(self._sampler.run(self._each_second))
-            self._tasks.spawn(self._autopause().run())
-            self._news.publish()
-            gc.freeze()  # what start-up made lives as long as the node: full collections skip it
-            await self._stopping.wait()
+            self._tasks.spawn(self._sampler.run(self._each_second))  # local: the figures, the status file
+            if await self._setup_finished():
+                await self._start_work()
+                await self._stopping.wait()
         finally:
             await self._close()
+
+    async def _setup_finished(self) -> bool:
+        """The desktop app's node waits here until the first-run flow saves `setup_complete`:
+        nothing connects, downloads or starts before the person says so. False: quit first."""
+        if not self._setup_needed():
+            return True
+        assert self._stopping is not None
+        log.info("waiting for the first-run setup: nothing connects, downloads or starts until it is finished")
+        self._news.publish()
+        waits = [asyncio.ensure_future(self._set_up.wait()), asyncio.ensure_future(self._stopping.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return not self._stopping.is_set()
+
+    def _setup_needed(self) -> bool:
+        return self._wait_for_setup and not self.settings.setup_complete
+
+    async def _start_work(self) -> None:
+        """The link (the local coordinator started where it is local), updates, game pauses."""
+        assert self.machine is not None
+        await self._step(policy.ProblemFound(await self._uplink.open(self.machine)))  # a local model that cannot be served
+        self._run_link()
+        self._updater = Updater(
+            self.paths,
+            self.settings,
+            NodeHooks(self._in_flight, self._stop_serving, self._resume_serving, self._exit_for_update),
+            on_progress=self._news.on_download,
+            on_status=self._on_update_status,
+        )
+        self._tasks.spawn(self._updater.run_feed_checks())
+        self._tasks.spawn(self._autopause().run())
+        self._news.publish()
+        gc.freeze()  # what start-up made lives as long as the node: full collections skip it
 
     async def _close(self) -> None:
         log.info("stopping: draining requests and stopping engines")
@@ -297,11 +371,13 @@ class Node:
     def _hello(self) -> protocol.Hello:
         assert self.machine is not None
         return build_hello(self.state.node_id, self.machine, paused=self._held.pause is not None,
-                           allow_remote_code=self.settings.allow_remote_code)
+                           allow_remote_code=self.settings.allow_remote_code, limits=self._limits)
 
     def _on_disconnect(self) -> None:
-        """The coordinator is gone: nobody will read the answers, so stop generating them."""
+        """The coordinator is gone: nobody will read the answers, so stop generating them; what
+        it said of its traffic no longer holds."""
         self._relay.cancel_all("coordinator connection lost")
+        self._routing = None
 
     async def _send(self, message: BaseModel) -> bool:
         return await self._uplink.send(message)
@@ -311,9 +387,14 @@ class Node:
         if isinstance(message, protocol.Welcome):
             self._welcome = message
             await self._news.send_status(force=True)
+        elif isinstance(message, protocol.Routing):
+            self._routing = RoutingNotice(message.share, message.reason, message.message, self._clock())
+            self._news.publish()
         elif isinstance(message, protocol.Assign):
             if message != self._held.assignment:
                 self._autotune.cancel(resume=False)
+            if self._held.assignment is None or message.assignment_id != self._held.assignment.assignment_id:
+                self._routing = None  # its word was about the old model's traffic
             self._tasks.spawn(self._locked(policy.Assigned(message)))
         elif isinstance(message, protocol.Unassign):
             if self._held.assignment is not None and self._held.assignment.assignment_id == message.assignment_id:
@@ -324,7 +405,7 @@ class Node:
         elif isinstance(message, protocol.Pause):
             self._tasks.spawn(self._do_pause("coordinator", None))
         elif isinstance(message, protocol.Resume):
-            self._tasks.spawn(self._locked(policy.Resumed("coordinator")))
+            self._tasks.spawn(self._resume("coordinator"))
         elif isinstance(message, protocol.Update):
             self._tasks.spawn(self._offer_update(message))
         elif isinstance(message, protocol.Error):
@@ -347,6 +428,7 @@ class Node:
             await self._act(action)
         self._held = policy.commit(self._held, start, decision.state)
         self._keep_awake()
+        self._hold_downloads()
         for action in decision.after:
             follow = await self._act(action)
             if follow is not None:
@@ -430,6 +512,8 @@ class Node:
             engine_plans = await self._provision_tracked(accepted)
         except ProvisionError as exc:
             return policy.ProvisionFailed(assign, accepted, exc)
+        except DownloadCancelled:
+            return policy.Cancelled(assign, accepted)
         return policy.Provisioned(assign, accepted, tuple(engine_plans))
 
     async def _on_bad_message(self, error: protocol.BadMessage) -> None:
@@ -444,6 +528,8 @@ class Node:
             engine_plans = await self._provision_tracked(self._held.plan)
         except ProvisionError as exc:
             return policy.ProblemFound(self._provision_failed(exc))
+        except DownloadCancelled:
+            return policy.Cancelled()
         await self._launch(engine_plans)
         return None
 
@@ -461,7 +547,8 @@ class Node:
         await self._locked(policy.Retry(by_hand))
 
     async def _provision_tracked(self, current: Plan) -> list[EnginePlan]:
-        """`provision`, published first and its failure logged; raises `ProvisionError`."""
+        """`provision`, published first and its failure logged; raises `ProvisionError`, or
+        `DownloadCancelled` where the person cancelled the download."""
         assert self.machine is not None
         self._news.publish()
         try:
@@ -469,6 +556,9 @@ class Node:
                                            engine_bins=self._engine_bins)
         except ProvisionError as exc:
             log.error("%s: %s", exc.problem.title, exc.problem.message)
+            raise
+        except DownloadCancelled:
+            log.info("the download was cancelled: paused, the assignment kept for Resume")
             raise
         self._offline_retry.reset()
         return engine_plans
@@ -540,14 +630,40 @@ class Node:
 
     def _set_settings(self, settings: Settings) -> None:
         switched = settings.coordinator_url != self.settings.coordinator_url
+        waiting = self._setup_needed() or self.machine is None  # the link is not open yet
         self.settings = settings
         self._keep_awake()
+        self._guard.update_settings(settings)
+        self._transfer.set_limit(settings.download_limit_mib_s)
+        self._transfer.set_budget(self._budget(settings))
         if self._updater:
             self._updater.apply_settings(settings)
-        if switched and self.machine is not None:
+        if switched and not waiting:
             self._tasks.spawn(self._switch_network(settings.coordinator_url))
-        elif switched:  # still detecting: the link is not open yet and opens on the new network
+        elif switched:  # the link opens on the new network once detection (and setup) end
             self._uplink.url = settings.coordinator_url
+        if not self._setup_needed():
+            self._set_up.set()
+
+    def _budget(self, settings: Settings) -> MonthlyBudget | None:
+        if settings.monthly_download_gib is None:
+            return None
+        return MonthlyBudget(budget_path(self.paths), settings.monthly_download_gib, clock=self._clock)
+
+    async def _resume_by_person(self) -> None:
+        """The person's Resume lifts any pause; over a guard's, that reason is left alone until it clears."""
+        pause = self._held.pause
+        if pause is not None and pause.reason in policy.GUARD_REASONS:
+            self._overridden = pause.reason
+        await self._resume("user")
+
+    async def _resume(self, by: Literal["user", "coordinator", "timer", "guard"]) -> None:
+        """A resume that lifts the pause lets downloads go at once, before it waits for the engines
+        lock: the download the pause held may be what holds the lock."""
+        if policy.decide(self._observed(), policy.Resumed(by)).state.pause is None:
+            self._release(self._download_hold)
+            self._download_hold = None
+        await self._locked(policy.Resumed(by))
 
     def _autopause(self) -> AutoPauser:
         """Pauses for games: GPU users that are not the app's (vLLM's workers are its engine's children)."""
@@ -591,18 +707,77 @@ class Node:
                             refused=held.refused,
                             engines=engine_views(self._engines.snapshots(), {}, self._autotune.tuned),
                             figures=self._metering.figures(), gpus=self._gpus.samples.values(),
-                            in_flight=self._in_flight(), tuning=self._autotune.view())
+                            in_flight=self._in_flight(), tuning=self._autotune.view(), limits=self._limits,
+                            downloads=self._news.downloads.values())
 
     async def _each_second(self) -> None:
         """After the sample: a timed pause's end, then the news (a heartbeat when one is due)."""
         if policy.resume_due(self._held, self._clock()):
-            self._tasks.spawn(self._locked(policy.Resumed("timer")))
+            self._tasks.spawn(self._resume("timer"))
+        self._judge_limits()
         self._autotune.each_second()
         heartbeat = self._welcome.heartbeat_s if self._welcome else 10.0
         beat = self._monotonic() - self._last_heartbeat >= heartbeat
         if beat:
             self._last_heartbeat = self._monotonic()
         await self._news.tick(heartbeat=beat)
+
+    # --- the lender's limits --------------------------------------------------------------------
+
+    def _judge_limits(self) -> None:
+        """This second's readings judged by the guard: the relay's cap of requests at once, the
+        limits shown and sent, and the guard's pause taken or lifted (never over another's)."""
+        verdict = self._guard.judge(self._guard_input())
+        self._relay.set_max_requests(verdict.max_requests)
+        wire = limits_message(self.settings, verdict)
+        self._limits = LimitsSnapshot(wire.max_requests, self.settings.memory_share_pct, wire.reason, verdict.words)
+        if verdict.pause is None:
+            self._overridden = None
+        event = policy.guard_event(self._held.pause, verdict.pause, verdict.pause_detail, self._overridden)
+        if isinstance(event, policy.Paused):
+            self._tasks.spawn(self._do_pause(event.reason, None, event.detail))
+        elif event is not None and not self._guard_resuming:
+            self._guard_resuming = True
+            self._tasks.spawn(self._guard_resume())
+
+    async def _guard_resume(self) -> None:
+        """One at a time: the lock may be held for minutes by an assignment's download."""
+        try:
+            await self._resume("guard")
+        finally:
+            self._guard_resuming = False
+
+    def _guard_input(self) -> GuardInput:
+        lent = self.settings.gpus_to_lend
+        samples = [s for i, s in self._gpus.samples.items() if lent is None or i in lent]
+        powers = [s.power_w for s in samples]
+        capacity = self._metering.last_capacity
+        price = self._welcome.price if self._welcome else None
+        gross = (capacity.tokens_per_s * 3600 * price.per_million_output_tokens / 1e6
+                 if capacity is not None and price is not None else None)
+        return GuardInput(
+            now=self._monotonic(), temperatures_c={s.index: s.temperature_c for s in samples}, on_battery=on_battery(),
+            gross_per_hour=gross, power_w=sum(p for p in powers if p is not None) if powers and None not in powers
+            else None, electricity_price_per_kwh=self.settings.electricity_price_per_kwh,
+            serving=bool(self._engines.ready_targets()), in_flight=self._in_flight())
+
+    def _hold_downloads(self) -> None:
+        """Downloads wait while the node is paused (a game's pause says which game), so the
+        bandwidth is the person's; a change only, so a waiting download never slips a chunk."""
+        pause = self._held.pause
+        hold: tuple[DownloadHold, str | None] | None = None
+        if pause is not None:
+            hold = ("game", pause.detail) if pause.reason == "game" else ("paused", None)
+        if hold == self._download_hold:
+            return
+        self._release(self._download_hold)
+        if hold is not None:
+            self._transfer.hold(*hold)
+        self._download_hold = hold
+
+    def _release(self, hold: tuple[DownloadHold, str | None] | None) -> None:
+        if hold is not None:
+            self._transfer.release(hold[0])
 
     def _build_snapshot(self) -> NodeSnapshot:
         started = hasattr(self, "state")  # loaded when the node starts running
@@ -630,6 +805,9 @@ class Node:
             game_detection=self._game_detection,
             tuning=self._autotune.view(),
             tuned=self._autotune.tuned,
+            setup_needed=self._setup_needed(),
+            routing=self._routing,
+            limits=self._limits,
         )
 
     # --- updates --------------------------------------------------------------------------

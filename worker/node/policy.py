@@ -11,8 +11,11 @@ The rules: an assignment is planned (which validates it) before anything stops, 
 while the old engines keep serving; only then are they drained. A refused assignment leaves the
 one serving serving, with `status.refused` saying why; a node with nothing else to serve adopts
 the refusal as its failure. The person's pause is theirs: the coordinator's pause does not
-replace it and its resume does not lift it. A paused node adopts new assignments but starts no
-engines until it resumes.
+replace it and its resume does not lift it; the lender's guard (too hot, on battery, costs more
+than it earns) pauses only a node nobody else paused, lifts only its own pause, and leaves alone a
+reason the person resumed over until that reason clears. A paused node adopts new assignments but
+starts no engines until it resumes; a download the person cancels pauses the node (not a failure)
+with the assignment kept, for Resume to fetch again.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from worker.node.view import Pause, node_state
 from worker.plan.planner import EnginePlan, Plan
 from worker.provision.errors import ProvisionError
 
-PauseReason = Literal["user", "timed", "coordinator", "game"]
+PauseReason = Literal["user", "timed", "coordinator", "game", "schedule", "too_hot", "battery", "costs"]
 Gate = Literal["paused", "draining", "tuning", "not_ready"]
+GUARD_REASONS = frozenset({"too_hot", "battery", "costs"})  # the lender's own limits pause for these
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,16 @@ class Paused:
 
 @dataclass(frozen=True)
 class Resumed:
-    by: Literal["user", "coordinator", "timer"] = "user"
+    by: Literal["user", "coordinator", "timer", "guard"] = "user"
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The person cancelled the download the plan waits for: `assign` and `plan` where a new
+    assignment was being provisioned (None: the held plan's own)."""
+
+    assign: protocol.Assign | None = None
+    plan: Plan | None = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +155,7 @@ class Quit:
 
 
 Event = (Assigned | Planned | Refuse | Provisioned | ProvisionFailed | ProblemFound | Unassigned | Paused
-         | Resumed | Retry | HandedBack | Quit)
+         | Resumed | Cancelled | Retry | HandedBack | Quit)
 
 
 # --- actions --------------------------------------------------------------------------------
@@ -268,6 +281,8 @@ def decide(state: State, event: Event) -> Decision:
         return _paused(state, event)
     if isinstance(event, Resumed):
         return _resumed(state, event.by)
+    if isinstance(event, Cancelled):
+        return _cancelled(state, event)
     if isinstance(event, Retry):
         return _retry(state, event.by_hand)
     if isinstance(event, HandedBack):
@@ -287,6 +302,19 @@ def commit(held: State, start: State, decided: State) -> State:
 def resume_due(state: State, now: float) -> bool:
     """A timed pause whose time has come."""
     return state.pause is not None and state.pause.until is not None and now >= state.pause.until
+
+
+def guard_event(pause: Pause | None, wanted: str | None, detail: str | None,
+                overridden: str | None) -> Event | None:
+    """What the lender's guard asks of the pause now (`wanted`: its reason, None when all is
+    well): its own pause taken where nobody else's holds, lifted once its reason clears; a reason
+    the person resumed over (`overridden`) is left alone until it clears. None: nothing to do."""
+    own = pause is not None and pause.reason in GUARD_REASONS
+    if wanted is None or wanted == overridden:
+        return Resumed("guard") if own and wanted is None else None
+    if pause is None or (own and pause.reason != wanted):
+        return Paused(wanted, None, detail)
+    return None
 
 
 def gate(state: State, *, draining: bool, ready: bool, tuning: bool = False) -> Gate | None:
@@ -358,17 +386,32 @@ def _paused(state: State, event: Paused) -> Decision:
     Windows keeps locked) must never leave an engine on the card while the game starts."""
     if event.reason == "coordinator" and state.pause is not None and state.pause.reason != "coordinator":
         return Decision(state)  # the person's own pause stays theirs
+    if event.reason in GUARD_REASONS and state.pause is not None and state.pause.reason not in GUARD_REASONS:
+        return Decision(state)  # the guard never replaces a pause it did not take
     paused = dataclasses.replace(state, pause=Pause(event.reason, event.until, event.detail))
     keep = event.reason in ("user", "timed")
     return Decision(paused, after=(SendStatus(), StopEngines("paused", lock=True),
                                    SavePause(keep, event.until), SendStatus()))
 
 
-def _resumed(state: State, by: Literal["user", "coordinator", "timer"]) -> Decision:
+def _resumed(state: State, by: Literal["user", "coordinator", "timer", "guard"]) -> Decision:
     if state.pause is None or (by == "coordinator" and state.pause.reason != "coordinator"):
         return Decision(state)  # the coordinator lifts only its own pause
+    if by == "guard" and state.pause.reason not in GUARD_REASONS:
+        return Decision(state)  # and the guard only its own
     resumed = _start_if_due(dataclasses.replace(state, pause=None))
     return dataclasses.replace(resumed, after=(SavePause(False, None), SendStatus()) + resumed.after)
+
+
+def _cancelled(state: State, event: Cancelled) -> Decision:
+    """Paused by the person, the assignment kept (a new one adopted, its old engines stopped):
+    Resume fetches it again. Decided under the engines lock, so the stop takes none."""
+    paused = dataclasses.replace(state, pause=Pause("user", None))
+    if event.assign is None or event.plan is None:
+        return Decision(paused, after=(SavePause(True, None), SendStatus()))
+    adopted = dataclasses.replace(paused, assignment=event.assign, plan=event.plan, problem=None, refused=None)
+    return Decision(adopted, before=_stop(paused), after=(SaveAssignment(event.assign), SavePause(True, None),
+                                                        SendStatus()))
 
 
 def _retry(state: State, by_hand: bool) -> Decision:

@@ -10,6 +10,7 @@ from worker.contract.events import Problem
 from worker.node import policy
 from worker.node.policy import (
     Assigned,
+    Cancelled,
     DescribeFailure,
     HandedBack,
     LaunchEngines,
@@ -36,6 +37,7 @@ from worker.node.policy import (
     StopEngines,
     Unassigned,
     decide,
+    guard_event,
 )
 from worker.node.view import Pause
 from worker.plan.planner import Plan
@@ -242,6 +244,49 @@ def test_resume_with_engines_running_or_nothing_planned_starts_nothing():
 
 def test_resume_when_not_paused_does_nothing():
     assert step(SERVING, Resumed()) == (SERVING, ())
+
+
+# --- the lender's guard, and a cancelled download ------------------------------------------------
+
+
+def test_the_guard_pauses_only_a_node_nobody_else_paused_and_lifts_only_its_own():
+    hot = Pause("too_hot", None, "GPU 0 at 86 °C")
+    assert guard_event(None, "too_hot", "GPU 0 at 86 °C", None) == Paused("too_hot", None, "GPU 0 at 86 °C")
+    assert guard_event(hot, "too_hot", "GPU 0 at 87 °C", None) is None  # already its pause: no re-pause each degree
+    assert guard_event(hot, "battery", "on battery", None) == Paused("battery", None, "on battery")
+    for theirs in (Pause("user", None), Pause("game", None, "game.exe"), Pause("coordinator", None)):
+        assert guard_event(theirs, "battery", "on battery", None) is None
+        assert guard_event(theirs, None, None, None) is None  # never lifts a pause it did not take
+    assert guard_event(hot, None, None, None) == Resumed("guard")
+    assert guard_event(None, None, None, None) is None
+
+
+def test_a_reason_the_person_resumed_over_is_left_alone_until_it_clears():
+    assert guard_event(None, "battery", "on battery", "battery") is None
+    assert guard_event(None, "too_hot", "GPU 0 at 86 °C", "battery") == Paused("too_hot", None, "GPU 0 at 86 °C")
+
+
+def test_the_guards_pause_and_resume_go_through_the_rules():
+    person = dataclasses.replace(SERVING, pause=Pause("user", None))
+    assert step(person, Paused("costs", None, "x")) == (person, ())  # a race: the person's pause stays
+    guarded, actions = step(SERVING, Paused("battery", None, "on battery"))
+    assert guarded.pause == Pause("battery", None, "on battery") and SavePause(False, None) in actions
+    assert step(person, Resumed("guard")) == (person, ())
+    state, actions = step(dataclasses.replace(guarded, engines=()), Resumed("guard"))
+    assert state.pause is None and actions == (SavePause(False, None), SendStatus(), StartEngines())
+
+
+def test_a_cancelled_download_pauses_and_keeps_the_assignment_for_resume():
+    state, _ = step(SERVING, Assigned(NEW))
+    state, actions = step(state, Cancelled(NEW, plan_for(NEW)))
+    assert (state.assignment, state.plan, state.pause, state.problem) == (NEW, plan_for(NEW), Pause("user", None), None)
+    assert actions == (StopEngines("paused"), SaveAssignment(NEW), SavePause(True, None), SendStatus())
+    held = dataclasses.replace(SERVING, engines=())
+    state, actions = step(held, Cancelled())
+    assert (state.assignment, state.pause) == (OLD, Pause("user", None))
+    assert actions == (SavePause(True, None), SendStatus())
+    state, actions = step(state, Resumed("user"))
+    assert StartEngines() in actions  # Resume fetches it again
 
 
 # --- retry, hand-back, quit ----------------------------------------------------------------------

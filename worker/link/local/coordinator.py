@@ -4,9 +4,9 @@ Local mode (`--coordinator local`) and the tests both run it. It checks the Bear
 answers `hello` with `welcome` (and the assignment it was given), sends `request` frames and
 hands their `response.*` frames back on an `Exchange`. Its welcome lists `batch` unless built with
 `batch=False`, and `autotune` unless built with `autotune=False` (its assignment's engine blocks may
-carry `tune` blocks; `tune()` sends the `tune` message); a `batch` frame is unpacked, so every
-consumer sees the node's messages one by one. The OpenAI-compatible HTTP side is
-`openai_endpoint.py`, a client of `request` and `cancel` like any test.
+carry `tune` blocks; `tune()` sends the `tune` message; `routing()` the routing notice); a
+`batch` frame is unpacked, so every consumer sees the node's messages one by one. The
+OpenAI-compatible HTTP side is `openai_endpoint.py`, a client of `request` and `cancel` like any test.
 
 The tests also need a coordinator that misbehaves and remembers: the attributes and methods
 under "test hooks" exist for them; local mode never calls them and keeps `record=False`.
@@ -189,6 +189,11 @@ class ReferenceCoordinator:
     async def tune(self, assignment_id: str, action: Literal["start", "cancel", "forget"] = "start") -> None:
         """Asks the node to start or cancel tuning `assignment_id`, or to forget what it kept."""
         await self.send(protocol.Tune(assignment_id=assignment_id, action=action))
+
+    async def routing(self, share: float, reason: protocol.RoutingReason | None = None, message: str = "") -> None:
+        """Tells the node how much of its model's traffic it gets now and why not more (shown to
+        the person beside the node's own reasons)."""
+        await self.send(protocol.Routing(share=share, reason=reason, message=message))
 
     async def wait_for_connections(self, count: int, timeout: float = 5.0) -> protocol.Hello:
         """Waits until `count` nodes have said hello in all; returns the latest hello."""
