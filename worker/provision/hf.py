@@ -233,14 +233,17 @@ async def fetch_repo(
     guard_hub(hosts, verify, control, stop)
     existed = request.storage.exists()
     with control.transfer():
-        return await _fetch_controlled(request, what, on_progress, free_bytes, margin_bytes, clock, poll_s, cap,
-                                       control, stop, existed)
+        try:
+            return await _fetch_controlled(request, what, on_progress, free_bytes, margin_bytes, clock, poll_s, cap,
+                                           control, existed)
+        except asyncio.CancelledError:
+            stop.set()  # the node stops: a thread held inside huggingface_hub must not wait on for a release
+            raise
 
 
 async def _fetch_controlled(
     request: RepoRequest, what: str, on_progress: ProgressCallback, free_bytes: FreeBytes, margin_bytes: int,
-    clock: Callable[[], float], poll_s: float, cap: SizeCap | None, control: TransferControl, stop: threading.Event,
-    existed: bool,
+    clock: Callable[[], float], poll_s: float, cap: SizeCap | None, control: TransferControl, existed: bool,
 ) -> Path:
     meter = ProgressMeter(what, on_progress, clock=clock, control=control)
     try:
@@ -256,7 +259,7 @@ async def _fetch_controlled(
         ensure_free_space(request.cache_dir, missing + margin_bytes, free_bytes, what)
         meter.start(total - missing, total)
         await control.wait_until_free_async(missing, lambda: meter.update(total - missing))
-        snapshot = await _download_capped(request, meter, total - missing, total, poll_s, cap, what, existed, stop)
+        snapshot = await _download_capped(request, meter, total - missing, total, poll_s, cap, what, existed)
     except DownloadCancelled:
         await asyncio.to_thread(_discard_partial, request.storage, existed)
         meter.cancelled()
@@ -308,7 +311,6 @@ async def _download_capped(
     cap: SizeCap | None,
     what: str,
     existed: bool,
-    stop: threading.Event,
 ) -> Path:
     """The download, stopped when it outgrows `cap`: then what it left behind is deleted.
 
@@ -316,9 +318,9 @@ async def _download_capped(
     before (another revision, maybe in use), only the unfinished `.incomplete` files.
     """
     if cap is None:
-        return await _download_watching(request, meter, already, total, poll_s, _SilentBar, stop)
+        return await _download_watching(request, meter, already, total, poll_s, _SilentBar)
     try:
-        return await _download_watching(request, meter, already, total, poll_s, _capped_bar(cap.max_bytes), stop)
+        return await _download_watching(request, meter, already, total, poll_s, _capped_bar(cap.max_bytes))
     except _TooLarge:
         await asyncio.to_thread(_discard_partial, request.storage, existed)
         raise ProvisionError(too_large(what, cap.max_bytes, cap.said)) from None
@@ -333,21 +335,15 @@ def _discard_partial(storage: Path, existed: bool) -> None:
 
 
 async def _download_watching(
-    request: RepoRequest, meter: ProgressMeter, already: int, total: int, poll_s: float, bar: type[_SilentBar],
-    stop: threading.Event,
+    request: RepoRequest, meter: ProgressMeter, already: int, total: int, poll_s: float, bar: type[_SilentBar]
 ) -> Path:
-    """Run the download in a thread; meanwhile report the bytes that have landed in the repo folder.
-    Given up on (the node stops), the thread is told (`stop`), so a held download does not wait on."""
+    """Run the download in a thread; meanwhile report the bytes that have landed in the repo folder."""
     size_before = await asyncio.to_thread(_size_or_zero, request.storage)
     task = asyncio.ensure_future(asyncio.to_thread(request.call, bar))
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=poll_s)
-            landed = await asyncio.to_thread(_size_or_zero, request.storage) - size_before
-            meter.update(min(already + max(landed, 0), total))
-    except asyncio.CancelledError:
-        stop.set()
-        raise
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll_s)
+        landed = await asyncio.to_thread(_size_or_zero, request.storage) - size_before
+        meter.update(min(already + max(landed, 0), total))
     return Path(task.result())
 
 

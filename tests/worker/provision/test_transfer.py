@@ -8,9 +8,11 @@ import hashlib
 import json
 import os
 import stat
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path, PurePath
+from types import FrameType
 
 import pytest
 import trustme
@@ -421,3 +423,34 @@ async def test_an_assigned_model_download_obeys_the_node_control(ca: trustme.CA,
         path = Path(await asyncio.wait_for(task, 30))
 
     assert path.read_bytes() == gguf and budget.used_bytes() == len(gguf)
+
+
+async def test_a_hugging_face_download_held_mid_way_lets_its_thread_go_when_the_node_stops(
+        ca: trustme.CA, tmp_path: Path) -> None:
+    control = TransferControl()
+    watch = Watch()
+    with HttpsServer(ca=ca, rate_bytes_per_s=8 * MIB) as server:
+        model = hf_model(server, {"model.safetensors": BODY[: 16 * MIB]})
+        task = asyncio.create_task(hf_download(server, tmp_path, control, watch, model))
+        await until(lambda: server.sent_bytes >= 2 * MIB)
+        control.hold("paused_by_you")
+        await until(lambda: control.waits > 0)  # huggingface_hub's thread waits inside a read
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        try:  # no thread still waits in the control: one would keep the app from quitting
+            await until(lambda: not waiting_in_control(), timeout_s=5)
+        finally:
+            control.release("paused_by_you")  # (so that a failure here does not hang the tests)
+
+
+def waiting_in_control() -> bool:
+    """Whether some thread is blocked in `TransferControl.take` right now."""
+    for frame in sys._current_frames().values():
+        current: FrameType | None = frame
+        while current is not None:
+            if current.f_code is TransferControl.take.__code__:
+                return True
+            current = current.f_back
+    return False
