@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import hashlib
 import ipaddress
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,6 +42,8 @@ from worker.contract.events import NodeSnapshot
 from worker.hardware import PynvmlSource
 from worker.link.connection import Backoff
 from worker.link.local import ReferenceCoordinator
+from worker.measure.runs import CAPACITY_WINDOW_S
+from worker.node.guard import COSTS_WINDOW_S
 from worker.node.node import Node
 from worker.node.status import read_status, status_table
 from worker.provision.hosts import PublicHosts
@@ -250,7 +253,7 @@ async def test_the_networks_routing_notice_is_the_reason_until_it_sends_traffic_
 
 @asynccontextmanager
 async def card_node(tmp_path: Path, standin: Path, monkeypatch: pytest.MonkeyPatch, card: FakeCard,
-                    settings: Settings) -> AsyncIterator[Running]:
+                    settings: Settings, **node_options: Any) -> AsyncIterator[Running]:
     """The vLLM stand-in serving on one fake NVML card, the lender's `settings` in force."""
     FakeNvml([card]).install(monkeypatch)
     monkeypatch.setenv("STANDIN_GPU_TOTAL_MIB", str(card.total_mib))
@@ -259,7 +262,8 @@ async def card_node(tmp_path: Path, standin: Path, monkeypatch: pytest.MonkeyPat
                                              assign=vllm_assign(model_folder(tmp_path))).start()
     node = Node(Paths.under(tmp_path / "node"), settings, coordinator_url=coordinator.url,
                 engine_bins={"vllm": str(standin)}, nvml=PynvmlSource(), token_provider=lambda: TOKEN,
-                backoff=Backoff(base_s=0.01, cap_s=0.05, reset_after_s=60.0), first_port=free_ports(1))
+                backoff=Backoff(base_s=0.01, cap_s=0.05, reset_after_s=60.0), first_port=free_ports(1),
+                **node_options)
     task = asyncio.create_task(node.run())
     run = Running(node, coordinator, task, 0)
     node.subscribe(run.seen)
@@ -341,3 +345,57 @@ async def test_on_battery_pauses_and_plugging_in_resumes_but_never_lifts_the_per
         battery[0] = SimpleNamespace(percent=80.0, secsleft=3600, power_plugged=True)
         await asyncio.sleep(2.5)
         assert run.node.snapshot().pause_reason == "user"  # plugging in never lifts the person's pause
+
+
+async def test_serving_that_costs_more_than_it_earns_pauses_and_a_price_it_beats_resumes_it(
+        tmp_path: Path, vllm_standin: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    later = [0.0]  # minutes of serving pass in a second
+    card = FakeCard(power_mw=300_000)  # 300 W: at 1.00 a kWh, 0.30 an hour, far more than a few tokens earn
+    async with card_node(tmp_path, vllm_standin, monkeypatch, card, Settings(electricity_price_per_kwh=1.0),
+                         monotonic=lambda: time.monotonic() + later[0]) as run:
+        await run.status("ready")
+        for _ in range(5):  # the first two are warm-up
+            assert (await run.ask({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})).error is None
+            await asyncio.sleep(1.1)  # answers over several seconds: a rate, not one burst
+        later[0] += CAPACITY_WINDOW_S + 2  # a whole capacity window measured: the speed it earns at
+        await eventually(lambda: run.node.snapshot().last_capacity is not None)
+        await asyncio.sleep(1.5)  # a reading or two of power and gross
+        assert not run.node.snapshot().paused  # one reading is never enough
+        later[0] += COSTS_WINDOW_S + 2
+        snap = await headline_becomes(run, "Paused: electricity costs more than it earns")
+        assert snap.pause_reason == "costs" and snap.limits.reason == "costs_more_than_it_earns"
+        assert snap.headline.detail.startswith("Paused: electricity (0.30 USD an hour) costs more than serving earns")
+        await eventually(lambda: run.node.snapshot().engines == ())
+        mark = run.mark()
+        run.node.save_settings(dataclasses.replace(run.node.settings, electricity_price_per_kwh=0.0001))
+        back = await run.status("ready", after=mark)  # judged from the last measured speed while stopped
+        assert back.limits is None and not run.node.snapshot().paused
+
+
+# --- the reminders a lender asked for ------------------------------------------------------------
+
+
+async def test_online_and_idle_for_the_chosen_hours_and_back_after_an_outage_are_each_told_once(
+        tmp_path: Path, vllm_standin: Path) -> None:
+    later = [0.0]
+    async with running_node(tmp_path, {"vllm": str(vllm_standin)}, settings=Settings(notify_idle_hours=1.0),
+                            monotonic=lambda: time.monotonic() + later[0]) as run:
+        await run.coordinator.wait_for_connections(1, timeout=STATE_TIMEOUT_S)
+        await headline_becomes(run, "Idle")
+        await asyncio.sleep(1.2)
+        later[0] += 3600
+        idle = "Online but earning nothing for 1 hour: Waiting for the network to assign a model"
+        await eventually(lambda: idle in run.node.snapshot().notices)
+
+        run.node._uplink._link._backoff = Backoff(base_s=600.0, cap_s=600.0)  # type: ignore[union-attr]
+        await run.coordinator.stop()
+        await headline_becomes(run, "Offline")
+        await asyncio.sleep(1.2)
+        later[0] += 300
+        await run.coordinator.start()
+        run.node.retry()
+        await run.coordinator.wait_for_connections(2, timeout=STATE_TIMEOUT_S)
+        await eventually(lambda: "Back online after 5 min offline" in run.node.snapshot().notices)
+        await asyncio.sleep(1.5)
+        assert run.node.snapshot().notices.count("Back online after 5 min offline") == 1
+        assert run.node.snapshot().notices.count(idle) == 1
