@@ -73,7 +73,8 @@ def _decode_regressed(baseline: Measurement, candidate: Measurement, objective: 
         if level.concurrency in GUARDED_LEVELS and _slower(level, before):
             return True
         floor = objective.per_request_floor_tok_s if objective is not None else None
-        if floor is not None and level.per_request_tok_s < floor <= before.per_request_tok_s:
+        measured = level.per_request_tok_s > 0  # 0: no request's decode could be timed at this level
+        if floor is not None and measured and level.per_request_tok_s < floor <= before.per_request_tok_s:
             return True  # below the floor where the baseline held it
     return False
 
@@ -82,7 +83,10 @@ def _slower(level: LevelFigures, before: LevelFigures) -> bool:
     """Slower per request by both measures, decode and answer speed: one alone moves with how the
     baseline queues, and with where the long prefill fell in a short run."""
     keep = 1 - DECODE_SLACK
-    return level.answer_tok_s < keep * before.answer_tok_s and level.per_request_tok_s < keep * before.per_request_tok_s
+    slower_answers = level.answer_tok_s < keep * before.answer_tok_s
+    if level.per_request_tok_s <= 0 or before.per_request_tok_s <= 0:
+        return slower_answers  # decode not timed on one side (its tokens came in bursts): answer speed alone
+    return slower_answers and level.per_request_tok_s < keep * before.per_request_tok_s
 
 
 def _ttft_regressed(baseline: Measurement, candidate: Measurement, objective: protocol.TuneObjective | None) -> bool:

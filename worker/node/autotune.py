@@ -56,8 +56,9 @@ class AutoTune:
     """The held plan's tuning: its target, the kept result, the running search and what each
     running engine runs after its tier. Loop-bound, like the node."""
 
-    def __init__(self, paths: Paths, hooks: Hooks, tasks: LoopTasks, *, settings: TunerSettings,
+    def __init__(self, paths: Paths, hooks: Hooks, tasks: LoopTasks, *, settings: TunerSettings | None,
                  monotonic: Callable[[], float]) -> None:
+        """`settings`: how hard a search measures; None: as its budget allows (`TunerSettings.for_budget`)."""
         self._paths = paths
         self._hooks = hooks
         self._tasks = tasks
@@ -96,6 +97,9 @@ class AutoTune:
     def stopped(self, engine_id: str) -> None:
         """An engine the node stopped runs nothing any more."""
         self.tuned.pop(engine_id, None)
+
+    def _measuring(self, spec: protocol.TuneSpec) -> TunerSettings:
+        return self._settings or TunerSettings.for_budget(spec.budget.max_minutes)
 
     def engine_changed(self, snap: EngineSnapshot, started: bool) -> None:
         """An engine's new state (`started`: ready with a run): a kept result it fails with goes,
@@ -283,7 +287,7 @@ class AutoTune:
             try:
                 await self._hooks.drain()
                 measured = await tuning.measure_peak(engine, target.spec, sup.snapshot() if sup else None,
-                                                     run_s=self._settings.run_s)
+                                                     run_s=self._measuring(target.spec).run_s)
             except (OSError, httpx.HTTPError) as exc:
                 log.warning("could not measure engine %s's tuned arguments at this start: %s", engine_id, exc)
                 return
@@ -338,7 +342,7 @@ class AutoTune:
             self._pending, self._trigger = None, trigger
             self._tuner = Tuner(target.engine_plan, target.spec, self._machine, paths=self._paths,
                                 store=self._tuned_store(), key=self._key(target), progress=self._on_progress,
-                                settings=self._settings)
+                                settings=self._measuring(target.spec))
             self.measuring, self._since = True, self._monotonic()
             self._snapshot = tuning.progress(self._snapshot or TuningSnapshot(), 0, self._tuner.trials_max, 0.0)
             log.info("tuning %s (%s): up to %d trials in %.0f minutes", target.assignment_id, trigger,

@@ -87,3 +87,13 @@ def test_kv_below_ninety_percent_of_the_baseline_loses() -> None:
 def test_a_failed_request_and_a_trap_lose_first() -> None:
     assert check(BASELINE, with_level(BASELINE, 4, failed=1), None, ()) == "failed"
     assert check(BASELINE, answering("x"), None, ("trap:drafter_graph_off",)) == "trap:drafter_graph_off"
+
+
+def test_a_decode_nobody_could_time_is_judged_by_answer_speed_alone() -> None:
+    """0 per-request tok/s means no request's decode was timed (its tokens came in one burst): it is
+    neither slow against a floor nor a free pass when answers got slower."""
+    floor = protocol.TuneObjective(per_request_floor_tok_s=20.0)
+    assert check(BASELINE, with_level(BASELINE, 4, per_request_tok_s=0.0), floor, ()) is None
+    untimed = with_level(BASELINE, 1, per_request_tok_s=0.0)
+    assert check(untimed, with_level(untimed, 1, answer_tok_s=30.0), None, ()) == "regressed:decode"
+    assert check(untimed, untimed, None, ()) is None
