@@ -296,6 +296,22 @@ async def test_requests_over_the_lenders_limit_get_at_capacity_and_hello_says_th
         assert (await first.collect(timeout=STATE_TIMEOUT_S)).end is not None
 
 
+async def test_the_memory_share_preview_answers_from_the_serving_engines_measured_kv(
+        tmp_path: Path, vllm_standin: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with card_node(tmp_path, vllm_standin, monkeypatch, FakeCard(), Settings()) as run:
+        await run.status("ready")
+        await eventually(lambda: bool(run.node.snapshot().engines[0].kv_cache_tokens))
+        [engine] = run.node.snapshot().engines
+        assert engine.kv_cache_tokens is not None and engine.kv_cache_gib is not None
+        half = run.node.preview_share(0, 50)
+        assert half.desktop_left_mib == FakeCard().total_mib - FakeCard().total_mib * 50 // 100
+        assert half.context_tokens is not None and 0 < half.context_tokens < engine.kv_cache_tokens
+        assert half.words.startswith("Leaves 12.0 GiB for your desktop and games; the engine could hold ")
+        assert run.node.preview_share(0, 100).context_tokens >= half.context_tokens  # type: ignore[operator]
+        with pytest.raises(ValueError):
+            run.node.preview_share(3, 50)
+
+
 async def test_a_card_too_hot_serves_fewer_requests_then_pauses_and_resumes_once_cool(
         tmp_path: Path, vllm_standin: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     card = FakeCard(temperature_c=60)
