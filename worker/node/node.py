@@ -5,16 +5,16 @@ update and shutdown. Each part owns its state: the coordinator connection (`Upli
 (`EngineSet`), the GPUs (`GpuWatch`), the relay's measurements (`Metering`, the relay's hooks),
 the ledger (`Books`), who hears what and when (`Publisher`, with the `StatusFile`), whether the
 computer may sleep (`KeepAwake`: not while an engine serves), auto-tune (`AutoTune`: the held
-plan's tuning, its searches and the kept result on each launch), the lender's limits (`Guard`,
-judged each second: the relay's cap of requests at once, a pause while too hot, on battery or
-losing money), downloads (`TransferControl`: held while paused or a game runs, paced, counted,
-cancelled); `node_view` builds what the node shows and reports. The desktop app's node
-(`wait_for_setup`) detects and then waits for the first-run flow before it connects, downloads
-or starts anything. The Node composes them on one asyncio loop, keeps the
-assignment, the plan and the pause, and turns coordinator messages and user commands into actions
-in the right order: what to do is `policy`'s to decide, pure, and the Node carries it out; the
-1 Hz sampling is `sampler`'s. Commands (`pause`, `resume`, `retry`, `save_settings`, `sign_out`,
-`shutdown`, …) are safe to call from any thread. `diagnosis` words what failed for the person.
+plan's tuning, its searches and the kept result on each launch), the lender's limits and
+downloads (`Lender`: judged each second, the relay's cap of requests at once, a pause while too
+hot, on battery or losing money; downloads held while paused, paced, counted, cancelled);
+`node_view` builds what the node shows and reports. The desktop app's node (`wait_for_setup`)
+detects and then waits for the first-run flow before it connects, downloads or starts anything.
+The Node composes them on one asyncio loop, keeps the assignment, the plan and the pause, and
+turns coordinator messages and user commands into actions in the right order: what to do is
+`policy`'s to decide, pure, and the Node carries it out; the 1 Hz sampling is `sampler`'s.
+Commands (`pause`, `resume`, `retry`, `save_settings`, `sign_out`, `shutdown`, …) are safe to
+call from any thread. `diagnosis` words what failed for the person.
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ from worker.system.datalock import DataFolderInUse, DataFolderLock
 from worker.system.keepawake import KeepAwake, PowerAssertion, platform_assertion
 from worker.node.provision_failure import network_failure, offline_problem, provision_problem
 from worker.serve.engine_set import EngineSet
-from worker.contract.events import (
-    DownloadHold, EngineSnapshot, LimitsSnapshot, NodeSnapshot, NodeState, Problem, RoutingNotice,
-)
+from worker.contract.events import EngineSnapshot, NodeSnapshot, NodeState, Problem, RoutingNotice
 from worker.measure.gpu_watch import GpuWatch
 from worker.hardware import Machine, NvmlSource, PynvmlSource
 from worker.hardware.nvml import find_wsl_nvml_library
@@ -54,9 +52,8 @@ from worker.measure.metering import Metering
 from worker.link.outgoing import Outgoing
 from worker.node.sampler import Sampler
 from worker.node.autotune import AutoTune, Hooks
-from worker.node.guard import Guard, GuardInput, limits_message
+from worker.node.lender import Lender
 from worker.node.reminders import Reminders
-from worker.node.tuning import on_battery
 from worker.node.tuner import TunerSettings
 from worker.node.view import Pause, build_hello, build_snapshot, build_status, engine_views
 from worker.plan.planner import DEFAULT_FIRST_PORT, EnginePlan, Plan, Refusal, plan
@@ -64,7 +61,7 @@ from worker.plan.share_preview import SharePreview, preview
 from worker.serve.process import reap_leftovers
 from worker.provision.assignment import OFFLINE_BACKOFF, OfflineRetry, provision
 from worker.provision.errors import ProvisionError
-from worker.provision.transfer import DownloadCancelled, MonthlyBudget, TransferControl, budget_path
+from worker.provision.transfer import DownloadCancelled
 from worker.node.publisher import Publisher, Subscriber
 from worker.relay.forward import Relay, engine_http_client
 from worker.serve.restart_policy import RestartBackoff
@@ -159,13 +156,8 @@ class Node:
         self._autotune = AutoTune(self.paths, self._tuning_hooks(), self._tasks, settings=tuner_settings,
                                   monotonic=monotonic)
         self._routing: RoutingNotice | None = None  # the network's latest word on the traffic it sends
-        self._guard = Guard(settings, clock=monotonic)
-        self._limits = LimitsSnapshot(settings.max_requests, settings.memory_share_pct)  # the guard's from the first second
-        self._relay.set_max_requests(settings.max_requests)
-        self._overridden: str | None = None  # a guard's reason the person resumed over, until it clears
-        self._transfer = TransferControl(limit_mib_s=settings.download_limit_mib_s, budget=self._budget(settings))
-        self._download_hold: tuple[DownloadHold, str | None] | None = None  # the hold the pause puts on downloads
-        self._guard_resuming = False
+        self._lender = Lender(settings, self.paths, self._relay.set_max_requests, monotonic=monotonic, clock=clock)
+        self._guard_resuming = False  # a guard's resume waits for the engines lock: one at a time
 
     # --- commands (any thread) ----------------------------------------------------------------
 
@@ -186,17 +178,17 @@ class Node:
 
     def pause_download(self) -> None:
         """The person's pause of downloads alone: held until `resume_download` (serving goes on)."""
-        self._transfer.hold("paused_by_you")
+        self._lender.downloads.hold("paused_by_you")
         self._tasks.call(self._news.publish)
 
     def resume_download(self) -> None:
-        self._transfer.release("paused_by_you")
+        self._lender.downloads.release("paused_by_you")
         self._tasks.call(self._news.publish)
 
     def cancel_download(self) -> None:
         """The running download stops and its partial file goes; the node pauses, the assignment
         kept (not a failure): Resume fetches it again."""
-        self._transfer.cancel()
+        self._lender.downloads.cancel()
 
     def preview_share(self, gpu_index: int, pct: int) -> SharePreview:
         """What lending `pct` % of this card would leave for the desktop and let the engine hold,
@@ -371,7 +363,7 @@ class Node:
     def _hello(self) -> protocol.Hello:
         assert self.machine is not None
         return build_hello(self.state.node_id, self.machine, paused=self._held.pause is not None,
-                           allow_remote_code=self.settings.allow_remote_code, limits=self._limits)
+                           allow_remote_code=self.settings.allow_remote_code, limits=self._lender.limits)
 
     def _on_disconnect(self) -> None:
         """The coordinator is gone: nobody will read the answers, so stop generating them; what
@@ -428,7 +420,7 @@ class Node:
             await self._act(action)
         self._held = policy.commit(self._held, start, decision.state)
         self._keep_awake()
-        self._hold_downloads()
+        self._lender.follow_pause(self._held.pause)
         for action in decision.after:
             follow = await self._act(action)
             if follow is not None:
@@ -633,9 +625,7 @@ class Node:
         waiting = self._setup_needed() or self.machine is None  # the link is not open yet
         self.settings = settings
         self._keep_awake()
-        self._guard.update_settings(settings)
-        self._transfer.set_limit(settings.download_limit_mib_s)
-        self._transfer.set_budget(self._budget(settings))
+        self._lender.update_settings(settings)
         if self._updater:
             self._updater.apply_settings(settings)
         if switched and not waiting:
@@ -645,24 +635,16 @@ class Node:
         if not self._setup_needed():
             self._set_up.set()
 
-    def _budget(self, settings: Settings) -> MonthlyBudget | None:
-        if settings.monthly_download_gib is None:
-            return None
-        return MonthlyBudget(budget_path(self.paths), settings.monthly_download_gib, clock=self._clock)
-
     async def _resume_by_person(self) -> None:
         """The person's Resume lifts any pause; over a guard's, that reason is left alone until it clears."""
-        pause = self._held.pause
-        if pause is not None and pause.reason in policy.GUARD_REASONS:
-            self._overridden = pause.reason
+        self._lender.person_resumed(self._held.pause)
         await self._resume("user")
 
     async def _resume(self, by: Literal["user", "coordinator", "timer", "guard"]) -> None:
         """A resume that lifts the pause lets downloads go at once, before it waits for the engines
         lock: the download the pause held may be what holds the lock."""
         if policy.decide(self._observed(), policy.Resumed(by)).state.pause is None:
-            self._release(self._download_hold)
-            self._download_hold = None
+            self._lender.release_downloads()
         await self._locked(policy.Resumed(by))
 
     def _autopause(self) -> AutoPauser:
@@ -707,7 +689,7 @@ class Node:
                             refused=held.refused,
                             engines=engine_views(self._engines.snapshots(), {}, self._autotune.tuned),
                             figures=self._metering.figures(), gpus=self._gpus.samples.values(),
-                            in_flight=self._in_flight(), tuning=self._autotune.view(), limits=self._limits,
+                            in_flight=self._in_flight(), tuning=self._autotune.view(), limits=self._lender.limits,
                             downloads=self._news.downloads.values())
 
     async def _each_second(self) -> None:
@@ -725,15 +707,11 @@ class Node:
     # --- the lender's limits --------------------------------------------------------------------
 
     def _judge_limits(self) -> None:
-        """This second's readings judged by the guard: the relay's cap of requests at once, the
-        limits shown and sent, and the guard's pause taken or lifted (never over another's)."""
-        verdict = self._guard.judge(self._guard_input())
-        self._relay.set_max_requests(verdict.max_requests)
-        wire = limits_message(self.settings, verdict)
-        self._limits = LimitsSnapshot(wire.max_requests, self.settings.memory_share_pct, wire.reason, verdict.words)
-        if verdict.pause is None:
-            self._overridden = None
-        event = policy.guard_event(self._held.pause, verdict.pause, verdict.pause_detail, self._overridden)
+        """This second's readings judged by the lender's limits; their pause taken or lifted."""
+        event = self._lender.judge(
+            self._held.pause, samples=self._gpus.samples.values(), capacity=self._metering.last_capacity,
+            price=self._welcome.price if self._welcome else None, serving=bool(self._engines.ready_targets()),
+            in_flight=self._in_flight())
         if isinstance(event, policy.Paused):
             self._tasks.spawn(self._do_pause(event.reason, None, event.detail))
         elif event is not None and not self._guard_resuming:
@@ -746,38 +724,6 @@ class Node:
             await self._resume("guard")
         finally:
             self._guard_resuming = False
-
-    def _guard_input(self) -> GuardInput:
-        lent = self.settings.gpus_to_lend
-        samples = [s for i, s in self._gpus.samples.items() if lent is None or i in lent]
-        powers = [s.power_w for s in samples]
-        capacity = self._metering.last_capacity
-        price = self._welcome.price if self._welcome else None
-        gross = (capacity.tokens_per_s * 3600 * price.per_million_output_tokens / 1e6
-                 if capacity is not None and price is not None else None)
-        return GuardInput(
-            now=self._monotonic(), temperatures_c={s.index: s.temperature_c for s in samples}, on_battery=on_battery(),
-            gross_per_hour=gross, power_w=sum(p for p in powers if p is not None) if powers and None not in powers
-            else None, electricity_price_per_kwh=self.settings.electricity_price_per_kwh,
-            serving=bool(self._engines.ready_targets()), in_flight=self._in_flight())
-
-    def _hold_downloads(self) -> None:
-        """Downloads wait while the node is paused (a game's pause says which game), so the
-        bandwidth is the person's; a change only, so a waiting download never slips a chunk."""
-        pause = self._held.pause
-        hold: tuple[DownloadHold, str | None] | None = None
-        if pause is not None:
-            hold = ("game", pause.detail) if pause.reason == "game" else ("paused", None)
-        if hold == self._download_hold:
-            return
-        self._release(self._download_hold)
-        if hold is not None:
-            self._transfer.hold(*hold)
-        self._download_hold = hold
-
-    def _release(self, hold: tuple[DownloadHold, str | None] | None) -> None:
-        if hold is not None:
-            self._transfer.release(hold[0])
 
     def _build_snapshot(self) -> NodeSnapshot:
         started = hasattr(self, "state")  # loaded when the node starts running
@@ -807,7 +753,7 @@ class Node:
             tuned=self._autotune.tuned,
             setup_needed=self._setup_needed(),
             routing=self._routing,
-            limits=self._limits,
+            limits=self._lender.limits,
         )
 
     # --- updates --------------------------------------------------------------------------
