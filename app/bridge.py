@@ -21,6 +21,13 @@ from worker.contract.events import NodeSnapshot, Problem
 TOMORROW_HOUR = 6  # "until tomorrow" means tomorrow morning, not midnight tonight
 
 
+class SharePreviewLike(Protocol):
+    """What the Settings slider needs of `worker.plan.share_preview.SharePreview`."""
+
+    @property
+    def words(self) -> str: ...
+
+
 class NodeLike(Protocol):
     """The Node surface the app uses (worker/node/node.py, or a scripted stand-in in tests)."""
 
@@ -49,6 +56,14 @@ class NodeLike(Protocol):
     def history(self, series: str, since: float) -> list[tuple[float, float]]: ...
 
     def log_files(self) -> dict[str, Path]: ...
+
+    def pause_download(self) -> None: ...
+
+    def resume_download(self) -> None: ...
+
+    def cancel_download(self) -> None: ...
+
+    def preview_share(self, gpu_index: int, pct: int) -> SharePreviewLike: ...
 
 
 def seconds_until_tomorrow(now: dt.datetime) -> float:
@@ -124,6 +139,21 @@ class Bridge(QObject):
     def install_update_now(self) -> None:
         """Restart to update: apply the staged update now (after the drain)."""
         self.node.install_update_now()
+
+    def pause_download(self) -> None:
+        """Hold the download (the person's own hold: no bytes move until Resume)."""
+        self.node.pause_download()
+
+    def resume_download(self) -> None:
+        self.node.resume_download()
+
+    def cancel_download(self) -> None:
+        """Stop the download and drop what it fetched so far."""
+        self.node.cancel_download()
+
+    def preview_share(self, gpu_index: int, pct: int) -> str:
+        """What lending `pct` % of a card's memory would leave and hold, in words, before saving."""
+        return self.node.preview_share(gpu_index, pct).words
 
     def history(
         self, series: str, window_s: float, clock: Callable[[], float] = time.time

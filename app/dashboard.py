@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QCloseEvent, QGuiApplication, QResizeEvent
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
-    QLabel,
     QMainWindow,
-    QProgressBar,
     QPushButton,
     QScrollArea,
     QVBoxLayout,
@@ -28,7 +26,9 @@ from PySide6.QtWidgets import (
 from app.banner import ProblemBanner, UpdateBanner
 from app.bridge import Bridge
 from app.charts import LiveCharts
-from app.earnings_panel import EarningsPanel
+from app.downloads import DownloadsCard
+from app import theme
+from app.earnings_panel import EarningsPanel, tone
 from app.engine_card import EngineCard
 from app.format import (
     STATE_COLOURS,
@@ -42,9 +42,11 @@ from app.format import (
 from app.gpu_panel import GpuPanel
 from app.widgets import PILL_HEIGHT, Reflow, Values, card, pill_style, set_dimmed, sync_rows
 from worker.system.config import LocalEndpoint
-from worker.contract.events import DownloadProgress, NodeSnapshot, Problem
+from worker.contract.events import NodeSnapshot, Problem
 
 NARROW_PX = 900  # below this width, rows of cards stack into one column
+DEFAULT = QSize(1120, 680)  # fits a 1366×768 screen with its taskbar and the window's title bar
+MINIMUM = QSize(480, 360)  # the content scrolls: a half-screen window still shows every part
 
 CONNECTION_TITLES = {
     "disabled": "Local only",
@@ -77,9 +79,9 @@ class Dashboard(QMainWindow):
         self._local_endpoint_kept = False  # the node is connected to the coordinator it names: this run's
         self.values = Values()
         self.setWindowTitle("GPU Provider")
-        self.resize(1120, 900)
+        self.resize(default_size(self.screen().availableGeometry().size()))
+        self.setMinimumSize(MINIMUM)
         self._engine_cards: dict[str, EngineCard] = {}
-        self._download_rows: dict[str, tuple[QLabel, QProgressBar]] = {}
         self.content = QWidget()
         self.content.setObjectName("content")
         self._layout = QVBoxLayout(self.content)
@@ -93,7 +95,8 @@ class Dashboard(QMainWindow):
         self.stats = self._build_stats()
         self.gpu_panel = GpuPanel(self.values)
         self.middle = Reflow([self.gpu_panel.frame, self._build_engines()])
-        self.downloads_card, self._download_layout = card("Downloads")
+        self.downloads = DownloadsCard(self.values, self.bridge)
+        self.downloads_card = self.downloads.frame
         self.charts = LiveCharts(self.bridge.history)
         live, live_layout = card("Live")
         live_layout.addWidget(self.charts)
@@ -163,7 +166,7 @@ class Dashboard(QMainWindow):
         for key, title in (
             ("tokens_per_s", "Speed now, all requests"),
             ("in_flight", "Requests being answered"),
-            ("earned_today", "Net earnings today"),
+            ("earned_today", "Earnings today"),
             ("effective_vram", "Memory for models"),
         ):
             frame, layout = card(title)
@@ -209,7 +212,7 @@ class Dashboard(QMainWindow):
         self.gpu_panel.show(snapshot)
         self.charts.set_gpus([g.index for g in snapshot.gpus])
         self._show_engines(snapshot)
-        self._show_downloads(snapshot.downloads)
+        self.downloads.show(snapshot.downloads)
         self.earnings.show_earnings(snapshot.earnings)
         self._show_connection(snapshot)
 
@@ -251,6 +254,7 @@ class Dashboard(QMainWindow):
         self.values.set("in_flight.detail", f"{t.requests:,} answered · {t.run_tokens:,} tokens this run")
         e = snapshot.earnings
         self.values.set("earned_today", money(e.net_today, e.currency))
+        tone(self.values.labels["earned_today"], e.net_today, theme.colours())  # a loss reads red
         per_hour = [] if e.net_per_hour is None else [f"{money(e.net_per_hour, e.currency)} per hour"]
         self.values.set("earned_today.detail", " · ".join([*per_hour, f"this week {money(e.net_week, e.currency)}"]))
         self.values.set("effective_vram", gib(snapshot.effective_vram_mib) if snapshot.gpus else "CPU")
@@ -276,26 +280,6 @@ class Dashboard(QMainWindow):
             self._engine_layout,
             lambda c, e: c.show_engine(e),
         )
-
-    def _show_downloads(self, downloads: tuple[DownloadProgress, ...]) -> None:
-        active = [d for d in downloads if not d.finished or d.error]
-        self.downloads_card.setVisible(bool(active))
-        for what in [w for w in self._download_rows if w not in {d.what for d in active}]:
-            label, bar = self._download_rows.pop(what)
-            label.deleteLater()
-            bar.deleteLater()
-        for d in active:
-            if d.what not in self._download_rows:
-                label = self.values.label(f"download:{d.what}", "muted", wrap=True)
-                bar = QProgressBar()
-                bar.setTextVisible(False)
-                self._download_layout.addWidget(label)
-                self._download_layout.addWidget(bar)
-                self._download_rows[d.what] = (label, bar)
-            label, bar = self._download_rows[d.what]
-            label.setText(download_text(d))
-            bar.setRange(0, 0 if d.fraction is None else 1000)
-            bar.setValue(int((d.fraction or 0) * 1000))
 
     def _show_connection(self, snapshot: NodeSnapshot) -> None:
         c = snapshot.connection
@@ -370,16 +354,7 @@ class Dashboard(QMainWindow):
             event.accept()
 
 
-def download_text(d: DownloadProgress) -> str:
-    if d.error:
-        return f"{d.what}: failed — {d.error}"
-    if d.step:
-        return f"{d.what}: {d.step}"
-    size = f"{d.done_bytes / 2**30:.1f}"
-    size += f" of {d.total_bytes / 2**30:.1f} GiB" if d.total_bytes else " GiB"
-    extra = ""
-    if d.rate_bps:
-        extra += f" · {d.rate_bps / 2**20:.0f} MiB/s"
-    if d.eta_s is not None:
-        extra += f" · {d.eta_s / 60:.0f} min left" if d.eta_s >= 60 else f" · {d.eta_s:.0f} s left"
-    return f"{d.what}: {size}{extra}"
+def default_size(available: QSize) -> QSize:
+    """The window's first size: DEFAULT, made smaller where the screen's free area is (less 40 px
+    for the title bar), never below MINIMUM."""
+    return DEFAULT.boundedTo(QSize(available.width(), available.height() - 40)).expandedTo(MINIMUM)

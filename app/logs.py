@@ -93,10 +93,12 @@ class LogsWindow(QWidget):
         layout = QVBoxLayout(self)
         bar = QHBoxLayout()
         self.source = QComboBox()
+        self.source.setAccessibleName("Which log")
         self.source.currentTextChanged.connect(self.load)
         bar.addWidget(self.source)
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search")
+        self.search.setAccessibleName("Search the log")
         self.search.setClearButtonEnabled(True)
         self.search.textChanged.connect(self._filter)
         bar.addWidget(self.search, 1)
@@ -111,6 +113,7 @@ class LogsWindow(QWidget):
         layout.addLayout(bar)
         self.view = QPlainTextEdit()
         self.view.setReadOnly(True)
+        self.view.setAccessibleName("Log")
         self.view.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
         self.view.setStyleSheet("font-family: monospace;")
         layout.addWidget(self.view)
@@ -137,7 +140,9 @@ class LogsWindow(QWidget):
         self.view.setPlainText("\n".join(lines))
         total = len(self._text.splitlines())
         self.count.setText(f"{len(lines):,} of {total:,} lines" if query.strip() else f"{total:,} lines")
-        self.view.moveCursor(self.view.textCursor().MoveOperation.End)
+        self.view.moveCursor(self.view.textCursor().MoveOperation.End)  # the newest lines, from their start:
+        self.view.moveCursor(self.view.textCursor().MoveOperation.StartOfLine)  # a long last line scrolled right
+        self.view.horizontalScrollBar().setValue(0)
 
     def copy_diagnostics(self) -> str:
         text = diagnostics(self._bridge.latest, self._bridge.log_files(), self._redact)

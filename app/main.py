@@ -2,8 +2,9 @@
 (or the dashboard where there is no tray), and a Quit that stops the engines before exiting.
 
 A new install opens the first-run flow (app/first_run.py) beside the dashboard, never modal to the
-whole app: the core detects the machine meanwhile, and Quit, SIGTERM and `--quit-after` work as
-always. A set-up app without a token for a real network offers sign-in instead.
+whole app: the core detects the machine meanwhile (and does nothing else: no download, engine or
+connection until the flow is finished), and Quit, SIGTERM and `--quit-after` work as always. After
+"Later" the dashboard's main button and the tray offer "Finish setting up". A set-up app without a token for a real network offers sign-in instead.
 
 The data folder's lock (worker/system/datalock.py, held by the core) decides who runs; a local socket
 named after the owner's pid only brings its window forward. Named per process, an updated
@@ -371,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_bins=args.engine_bins,
         model=args.model,
         openai_port=args.openai_port,
+        wait_for_setup=True,  # the desktop app: nothing downloads, starts or connects before the first-run flow
     )
     return run_app(qapp, node, paths, settings, args)
 

@@ -9,21 +9,27 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
+    QAbstractSpinBox,
     QCheckBox,
     QComboBox,
     QDialog,
+    QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
+    QFrame,
     QGroupBox,
     QHBoxLayout,
     QLabel,
     QLineEdit,
     QPushButton,
+    QScrollArea,
+    QSlider,
     QSpinBox,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
@@ -34,11 +40,13 @@ from app.signin import SignInDialog
 from worker.system import autostart
 from worker.system import networks
 from worker.system import secrets
+from worker.measure.prices import price_doubt
 from worker.system.config import Paths, Settings
-from worker.contract.events import NodeSnapshot
+from worker.contract.events import GpuSnapshot, NodeSnapshot
 from worker.system.networks import Network
 
 UPDATE_CHANNELS = ("stable", "beta")
+SpinBox = TypeVar("SpinBox", QSpinBox, QDoubleSpinBox)
 LEND_ONE = "Lend at least one GPU (to stop serving, pause instead)."
 
 
@@ -67,6 +75,7 @@ class PriceField(QWidget):
     def set_currency(self, currency: str) -> None:
         self.currency_code = currency
         self.currency.setText(f"{currency} per kWh")
+        self.price.setAccessibleName(f"Electricity price, {currency} per kWh")
 
     def value(self, problems: list[str]) -> float | None:
         """The price, or None with what is wrong added to `problems` in words."""
@@ -154,12 +163,16 @@ class SettingsDialog(QDialog):
         self._bridge = bridge
         self._startup = startup
         self._choices = _with_current(choices or networks.choices(), networks.for_url(settings.coordinator_url))
+        self._price_asked: float | None = None  # a doubtful price already questioned: a second Save keeps it
         layout = QVBoxLayout(self)
-        layout.addWidget(self._network_group(settings))
-        layout.addWidget(self._money_group(settings))
-        layout.addWidget(self._serving_group(settings))
-        layout.addWidget(self._models_group(settings))
-        layout.addWidget(self._app_group(settings))
+        self.tabs = QTabWidget()
+        self.tabs.setAccessibleName("Settings pages")
+        self.tabs.addTab(_scrolled(self._network_group(settings), self._money_group(settings),
+                                   self._serving_group(settings), self._models_group(settings),
+                                   self._app_group(settings)), "General")
+        self.tabs.addTab(_scrolled(self._limits_group(settings), self._downloads_group(settings),
+                                   self._notify_group(settings)), "Limits")
+        layout.addWidget(self.tabs, 1)
         self.error = QLabel()
         self.error.setObjectName("error")
         self.error.setWordWrap(True)
@@ -281,6 +294,54 @@ class SettingsDialog(QDialog):
         form.addRow(self.auto_install)
         return group
 
+    def _limits_group(self, s: Settings) -> QGroupBox:
+        group, form = _group("What you lend")
+        self.memory_share = MemoryShare(self._bridge, s.memory_share_pct)
+        form.addRow(self.memory_share)
+        self.max_requests = _optional_spin(QSpinBox(), 1, 256, s.max_requests, "No limit")
+        self.max_requests.setAccessibleName("Requests at once")
+        form.addRow("Requests at once, at most", self.max_requests)
+        self.temperature = _optional_spin(QSpinBox(), 50, 95, s.temperature_limit_c, "No limit")
+        self.temperature.setSuffix(" °C")
+        self.temperature.setAccessibleName("Hottest a GPU may run")
+        self.temperature.setToolTip("Above it, fewer requests at once, then a pause; serving resumes once the GPU "
+                                    "has cooled a few degrees below it.")
+        form.addRow("Hottest a GPU may run", self.temperature)
+        self.pause_on_battery = QCheckBox("Pause while this computer runs on battery")
+        self.pause_on_battery.setChecked(s.pause_on_battery)
+        form.addRow(self.pause_on_battery)
+        self.stop_unprofitable = QCheckBox("Stop serving when electricity costs more than it earns")
+        self.stop_unprofitable.setChecked(s.stop_when_unprofitable)
+        self.stop_unprofitable.setToolTip("Judged over several minutes from the measured power draw and your "
+                                          "electricity price; serving resumes once it pays again.")
+        form.addRow(self.stop_unprofitable)
+        return group
+
+    def _downloads_group(self, s: Settings) -> QGroupBox:
+        group, form = _group("Downloads")
+        self.download_limit = _optional_spin(QDoubleSpinBox(), 0.1, 10_000, s.download_limit_mib_s, "No limit")
+        self.download_limit.setDecimals(1)
+        self.download_limit.setSuffix(" MiB/s")
+        self.download_limit.setAccessibleName("Download speed limit")
+        form.addRow("Download speed, at most", self.download_limit)
+        self.monthly_budget = _optional_spin(QSpinBox(), 1, 100_000, s.monthly_download_gib, "No limit")
+        self.monthly_budget.setSuffix(" GiB")
+        self.monthly_budget.setAccessibleName("Downloads per month")
+        self.monthly_budget.setToolTip("A download that would pass it waits until the next month and says so.")
+        form.addRow("Downloads per month, at most", self.monthly_budget)
+        return group
+
+    def _notify_group(self, s: Settings) -> QGroupBox:
+        group, form = _group("Notifications")
+        self.notify_idle = _optional_spin(QSpinBox(), 1, 168, s.notify_idle_hours, "Never")
+        self.notify_idle.setSuffix(" h")
+        self.notify_idle.setAccessibleName("Tell me when online but earning nothing for")
+        form.addRow("Tell me when online but earning nothing for", self.notify_idle)
+        self.notify_back = QCheckBox("Tell me when it is back online after being offline")
+        self.notify_back.setChecked(s.notify_back_online)
+        form.addRow(self.notify_back)
+        return group
+
     def _choose_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Model folder", self.cache_dir.text() or str(Path.home()))
         if folder:
@@ -349,6 +410,15 @@ class SettingsDialog(QDialog):
             "start_at_login": self.start_at_login.isChecked(),
             "update_channel": self.channel.currentText(),
             "auto_install_updates": self.auto_install.isChecked(),
+            "memory_share_pct": self.memory_share.shares(),
+            "max_requests": _spin_int(self.max_requests),
+            "temperature_limit_c": _spin_int(self.temperature),
+            "pause_on_battery": self.pause_on_battery.isChecked(),
+            "stop_when_unprofitable": self.stop_unprofitable.isChecked(),
+            "download_limit_mib_s": _spin_value(self.download_limit),
+            "monthly_download_gib": _spin_value(self.monthly_budget),
+            "notify_idle_hours": _spin_value(self.notify_idle),
+            "notify_back_online": self.notify_back.isChecked(),
         }
         if price is not None:
             changes["electricity_price_per_kwh"] = price
@@ -360,6 +430,10 @@ class SettingsDialog(QDialog):
         changes, problems = self.changes()
         if problems:
             self._show_error(problems)
+            return
+        if (question := self._price_question(changes)) is not None:
+            self.error.setText(question + " Press Save again to keep it.")
+            self.error.show()
             return
         try:
             updated = self.settings.with_changes(**changes)
@@ -379,9 +453,122 @@ class SettingsDialog(QDialog):
         self.saved.emit(updated)
         self.accept()
 
+    def _price_question(self, changes: dict[str, Any]) -> str | None:
+        """A price far from what homes pay is asked about once before it is saved (a typo of 100×
+        would turn every day into a loss)."""
+        price = changes.get("electricity_price_per_kwh")
+        if price is None or price == self._price_asked or price == self.settings.electricity_price_per_kwh:
+            return None
+        question = price_doubt(price, changes["currency"])
+        self._price_asked = price if question is not None else None
+        return question
+
     def _show_error(self, problems: list[str]) -> None:
         self.error.setText("Nothing was saved yet:\n• " + "\n• ".join(problems))
         self.error.show()
+
+
+class MemoryShare(QWidget):
+    """Per GPU, how much of its memory an engine may use: a slider whose words say, before saving,
+    what that leaves for the desktop and what the engine could then hold (the planner's preview)."""
+
+    def __init__(self, bridge: Bridge, shares: tuple[tuple[int, int], ...], parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._bridge = bridge
+        self._shares = dict(shares)
+        self.sliders: dict[int, QSlider] = {}
+        self.words: dict[int, QLabel] = {}
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        gpus = () if bridge.latest.detecting else bridge.latest.gpus
+        if not gpus:
+            layout.addWidget(_note("This computer serves on its CPU: there is no graphics memory to set aside."
+                                   if not bridge.latest.detecting else FINDING_GPUS))
+        for gpu in gpus:
+            layout.addWidget(self._row(gpu))
+
+    def _row(self, gpu: GpuSnapshot) -> QWidget:
+        row = QWidget()
+        column = QVBoxLayout(row)
+        column.setContentsMargins(0, 0, 0, 6)
+        title = QLabel(f"Memory of GPU {gpu.index} ({gpu.name}) to lend")
+        column.addWidget(title)
+        line = QHBoxLayout()
+        slider = QSlider(Qt.Orientation.Horizontal)
+        slider.setRange(10, 100)
+        slider.setSingleStep(5)
+        slider.setPageStep(10)
+        slider.setValue(self._shares.get(gpu.index, 100))
+        slider.setAccessibleName(f"Memory of GPU {gpu.index} to lend, in percent")
+        percent = QLabel()
+        percent.setMinimumWidth(percent.fontMetrics().horizontalAdvance("100 %") + 4)
+        line.addWidget(slider, 1)
+        line.addWidget(percent)
+        column.addLayout(line)
+        words = _note("")
+        column.addWidget(words)
+        self.sliders[gpu.index] = slider
+        self.words[gpu.index] = words
+
+        def show(pct: int) -> None:
+            percent.setText(f"{pct} %")
+            words.setText(self._bridge.preview_share(gpu.index, pct))
+            slider.setAccessibleDescription(words.text())
+
+        slider.valueChanged.connect(show)
+        show(slider.value())
+        return row
+
+    def shares(self) -> tuple[tuple[int, int], ...]:
+        """(GPU, %) for each card lent less than all of its memory (a card not shown keeps its share)."""
+        chosen = {**self._shares, **{i: s.value() for i, s in self.sliders.items()}}
+        return tuple(sorted((i, pct) for i, pct in chosen.items() if pct < 100))
+
+
+def _optional_spin(box: SpinBox, low: float, high: float, value: float | None, off: str) -> SpinBox:
+    """A spin box (arrows shown) whose lowest step means "no limit": its minimum sits one step below `low`."""
+    box.setButtonSymbols(QAbstractSpinBox.ButtonSymbols.UpDownArrows)
+    box.setSpecialValueText(off)
+    if isinstance(box, QSpinBox):
+        box.setRange(int(low) - 1, int(high))
+        box.setValue(round(value) if value is not None else box.minimum())
+    else:
+        box.setRange(low - 0.1, high)
+        box.setValue(value if value is not None else box.minimum())
+    return box
+
+
+def _spin_value(box: QSpinBox | QDoubleSpinBox) -> float | None:
+    """The box's value, None at its "no limit" step."""
+    return None if box.value() == box.minimum() else float(box.value())
+
+
+def _spin_int(box: QSpinBox) -> int | None:
+    value = _spin_value(box)
+    return None if value is None else int(value)
+
+
+def _note(text: str) -> QLabel:
+    label = QLabel(text)
+    label.setObjectName("muted")
+    label.setWordWrap(True)
+    return label
+
+
+def _scrolled(*groups: QWidget) -> QScrollArea:
+    """A tab's groups in a scroll area: the dialog fits a 768-pixel screen at any font size."""
+    page = QWidget()
+    page.setObjectName("content")
+    column = QVBoxLayout(page)
+    for group in groups:
+        column.addWidget(group)
+    column.addStretch(1)
+    scroll = QScrollArea()
+    scroll.setWidgetResizable(True)
+    scroll.setFrameShape(QFrame.Shape.NoFrame)
+    scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    scroll.setWidget(page)
+    return scroll
 
 
 def _with_current(choices: tuple[Network, ...], current: Network) -> tuple[Network, ...]:

@@ -8,11 +8,14 @@ person who reads at 14 pt gets larger headline figures, never smaller ones.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 from typing import Literal
 
-from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtGui import QColor, QGuiApplication, QPalette
+from PySide6.QtCore import QObject, QPointF, Qt, Signal
+from PySide6.QtGui import QColor, QGuiApplication, QImage, QPainter, QPalette, QPolygonF
 from PySide6.QtWidgets import QApplication
 
 Scheme = Literal["light", "dark"]
@@ -25,7 +28,8 @@ class Colours:
 
     window: str
     card: str
-    border: str
+    border: str  # a card's edge (decoration)
+    control: str  # a control's edge (input, button, check box): 3:1 or more on window, card and button
     text: str
     muted: str
     accent: str  # the primary button's fill, behind `on_accent` text
@@ -47,7 +51,7 @@ class Colours:
 
 
 LIGHT = Colours(
-    window="#F4F6F9", card="#FFFFFF", border="#DDE2E9", text="#1F2937", muted="#5B6472",
+    window="#F4F6F9", card="#FFFFFF", border="#DDE2E9", control="#7C8594", text="#1F2937", muted="#5B6472",
     accent="#2563EB", on_accent="#FFFFFF", link="#1D4ED8", button="#FFFFFF", track="#E5E9EF",
     error="#B91C1C", error_bg="#FEF2F2", error_border="#FCA5A5",
     warning="#92400E", warning_bg="#FFFBEB", warning_border="#FCD34D",
@@ -57,7 +61,7 @@ LIGHT = Colours(
 )  # fmt: skip
 
 DARK = Colours(
-    window="#14171C", card="#1E232B", border="#333A45", text="#E6E9EE", muted="#A3ACB9",
+    window="#14171C", card="#1E232B", border="#333A45", control="#7B8594", text="#E6E9EE", muted="#A3ACB9",
     accent="#2563EB", on_accent="#FFFFFF", link="#60A5FA", button="#2A313B", track="#2E3540",
     error="#F87171", error_bg="#3A1D20", error_border="#7F2A2E",
     warning="#FBBF24", warning_bg="#3A2E12", warning_border="#7A5B14",
@@ -162,11 +166,39 @@ def palette(c: Colours) -> QPalette:
     return p
 
 
+@cache
+def _image_dir() -> Path:
+    """This process's own folder for the painted arrows (a stylesheet names images by path)."""
+    return Path(tempfile.mkdtemp(prefix="gpu-provider-theme-"))
+
+
+def arrow_image(colour: str, up: bool) -> str:
+    """A spin box's arrow in `colour`, painted once per colour: with its buttons styled, Qt draws no
+    arrow of its own (a spin box read as a plain text field)."""
+    path = _image_dir() / f"{'up' if up else 'down'}-{colour.lstrip('#').lower()}.png"
+    if not path.exists():
+        image = QImage(20, 12, QImage.Format.Format_ARGB32)
+        image.fill(Qt.GlobalColor.transparent)
+        painter = QPainter(image)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(QColor(colour))
+        tip, base = (1.0, 11.0) if up else (11.0, 1.0)
+        painter.drawPolygon(QPolygonF([QPointF(2, base), QPointF(18, base), QPointF(10, tip)]))
+        painter.end()
+        image.save(str(path))
+    return path.as_posix()
+
+
 def stylesheet(c: Colours, base_pt: float) -> str:
     """The object names other windows use; every size is a multiple of the system font's."""
 
     def pt(scale: float) -> str:
         return f"{base_pt * scale:.1f}pt"
+
+    def px(scale: float) -> str:
+        """A control's part (a box, an arrow) sized as the text beside it: pixels from the font's points."""
+        return f"{max(1, round(base_pt * 96 / 72 * scale))}px"
 
     return f"""
 QMainWindow, QDialog, QScrollArea, QWidget#content {{ background: {c.window}; }}
@@ -188,14 +220,38 @@ QFrame#banner[kind="info"] {{ background: {c.info_bg}; border: 1px solid {c.info
 QFrame#banner[kind="warning"] {{ background: {c.warning_bg}; border: 1px solid {c.warning_border}; }}
 QProgressBar {{ border: none; background: {c.track}; border-radius: 4px; max-height: 8px; }}
 QProgressBar::chunk {{ background: {c.accent}; border-radius: 4px; }}
-QPushButton {{ color: {c.text}; background: {c.button}; border: 1px solid {c.border};
+QPushButton {{ color: {c.text}; background: {c.button}; border: 1px solid {c.control};
     border-radius: 6px; padding: 6px 14px; }}
+QPushButton:focus, QLineEdit:focus, QSpinBox:focus, QDoubleSpinBox:focus, QComboBox:focus, QSlider:focus {{
+    border: 2px solid {c.accent}; }}
 QPushButton:hover {{ border-color: {c.accent}; }}
 QPushButton:disabled {{ color: {c.muted}; }}
 QPushButton#primary {{ background: {c.accent}; color: {c.on_accent}; border: none; font-weight: 600; }}
 QToolButton {{ color: {c.link}; background: transparent; border: none; padding: 2px 0; }}
 QLineEdit, QSpinBox, QDoubleSpinBox, QComboBox, QTimeEdit {{ color: {c.text}; background: {c.card};
-    border: 1px solid {c.border}; border-radius: 4px; padding: 3px 6px; }}
+    border: 1px solid {c.control}; border-radius: 4px; padding: 3px 6px; }}
+QSpinBox, QDoubleSpinBox {{ padding-right: {px(1.8)}; }}
+QSpinBox::up-button, QDoubleSpinBox::up-button, QSpinBox::down-button, QDoubleSpinBox::down-button {{
+    subcontrol-origin: border; width: {px(1.4)}; background: {c.button}; border-left: 1px solid {c.control}; }}
+QSpinBox::up-button, QDoubleSpinBox::up-button {{ subcontrol-position: top right; }}
+QSpinBox::down-button, QDoubleSpinBox::down-button {{ subcontrol-position: bottom right; }}
+QSpinBox::up-arrow, QDoubleSpinBox::up-arrow {{ image: url({arrow_image(c.text, True)}); width: {px(0.7)}; }}
+QSpinBox::down-arrow, QDoubleSpinBox::down-arrow {{ image: url({arrow_image(c.text, False)}); width: {px(0.7)}; }}
+QSpinBox::up-arrow:disabled, QSpinBox::up-arrow:off, QDoubleSpinBox::up-arrow:disabled,
+QDoubleSpinBox::up-arrow:off {{ image: url({arrow_image(c.muted, True)}); }}
+QSpinBox::down-arrow:disabled, QSpinBox::down-arrow:off, QDoubleSpinBox::down-arrow:disabled,
+QDoubleSpinBox::down-arrow:off {{ image: url({arrow_image(c.muted, False)}); }}
+QCheckBox::indicator, QRadioButton::indicator {{ width: {px(1.1)}; height: {px(1.1)};
+    background: {c.card}; border: 1px solid {c.control}; }}
+QCheckBox::indicator {{ border-radius: 3px; }}
+QRadioButton::indicator {{ border-radius: {px(0.6)}; }}
+QCheckBox::indicator:checked, QRadioButton::indicator:checked {{ background: {c.accent};
+    border: 3px solid {c.card}; outline: none; }}
+QCheckBox::indicator:disabled, QRadioButton::indicator:disabled {{ border-color: {c.border}; }}
+QSlider::groove:horizontal {{ height: {px(0.3)}; background: {c.control}; border-radius: 2px; }}
+QSlider::sub-page:horizontal {{ background: {c.accent}; border-radius: 2px; }}
+QSlider::handle:horizontal {{ background: {c.accent}; border: 2px solid {c.card}; width: {px(1.2)};
+    margin: -{px(0.5)} 0; border-radius: {px(0.6)}; }}
 QPlainTextEdit, QTextEdit {{ color: {c.text}; background: {c.window}; border: 1px solid {c.border};
     font-family: monospace; font-size: {pt(0.9)}; }}
 QToolTip {{ color: {c.text}; background: {c.card}; border: 1px solid {c.border}; }}

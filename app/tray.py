@@ -13,7 +13,8 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
 from app.bridge import Bridge, seconds_until_tomorrow
-from app.format import money, offers_pause, rate, tray_state
+from app.earnings_panel import today_words
+from app.format import offers_pause, rate, tray_state
 from app.icons import state_icon
 from app.notify import Notification, Notifier, short_sentence
 from worker.contract.events import NodeSnapshot, Problem
@@ -44,7 +45,7 @@ def figures_line(snapshot: NodeSnapshot) -> str:
     after electricity, in the network's currency."""
     if snapshot.headline.kind == "stopping" and snapshot.headline.detail:
         return snapshot.headline.detail
-    earned = money(snapshot.earnings.net_today, snapshot.earnings.currency) + " net today"
+    earned = today_words(snapshot.earnings)  # "net" only where electricity is measured and priced
     live = snapshot.throughput.live_tokens_per_s
     if live is None or tray_state(snapshot) not in ("serving", "degraded"):
         return earned

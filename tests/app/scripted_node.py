@@ -94,7 +94,6 @@ class ScriptedNode:
         """The planner's own preview for this snapshot's card and engines, as the Node gives it."""
         from worker.plan.share_preview import preview
 
-        self.commands.append(("preview_share", (gpu_index, pct)))
         gpu = next(g for g in self._snapshot.gpus if g.index == gpu_index)
         return preview(gpu, pct, self._snapshot.engines)
 

@@ -9,12 +9,12 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QColor, QFont, QImage
 from PySide6.QtWidgets import QLabel, QPushButton, QWidget
 
 from app import charts, theme
-from app.dashboard import Dashboard
+from app.dashboard import Dashboard, default_size
 from app.format import clock_time
 from tests.app import snapshots
 from tests.app.scripted_node import headed
@@ -128,9 +128,9 @@ def test_starting_shows_phase_and_download(dashboard, node, bridge, qtbot):
     assert dashboard.text("engine:engine-0.phase") == "Compiling (step 4 of 7)"
     assert card.phase_bar.isVisibleTo(dashboard) and card.phase_bar.value() == 3
     assert dashboard.text("engine:engine-0.context") == "32k tokens per chat"
-    assert dashboard.text("download:model Qwen/Qwen3-8B") == (
-        "model Qwen/Qwen3-8B: 11.5 of 15.3 GiB · 91 MiB/s · 42 s left"
-    )
+    assert dashboard.text("download:model Qwen/Qwen3-8B.title") == "Model Qwen/Qwen3-8B · 76 %"
+    line = dashboard.text("download:model Qwen/Qwen3-8B")
+    assert "15.3 GiB" in line and "90.6 MiB/s" in line and line.endswith("less than a minute left")
     assert dashboard.downloads_card.isVisibleTo(dashboard)
     finished = replace(snapshots.serving(), downloads=(DownloadProgress("model x", 5, 5, finished=True),))
     show(node, qtbot, bridge, finished)
@@ -266,6 +266,15 @@ def test_figures_that_agree_on_a_cpu_node(dashboard, node, bridge, qtbot):
     assert "ALL REQUESTS" in on_screen(d).upper()
     assert d.text("engine:engine-0.requests") == "2 waiting for a turn"
     assert "running" not in on_screen(d)
+
+
+def test_a_loss_today_reads_red_on_the_stat_card(dashboard, node, bridge, qtbot, scheme):
+    losing = replace(snapshots.EARNINGS, today=0.10, energy_cost_today=0.60)
+    show(node, qtbot, bridge, replace(snapshots.serving(), earnings=losing))
+    label = dashboard.values.labels["earned_today"]
+    assert dashboard.text("earned_today") == "−$0.50" and theme.colours().error in label.styleSheet()
+    show(node, qtbot, bridge, snapshots.serving())
+    assert label.styleSheet() == ""
 
 
 def test_detecting_says_so(dashboard, node, bridge, qtbot):
@@ -470,6 +479,26 @@ def test_nothing_is_cut_off_at_14_pt(dashboard, node, bridge, qtbot, qapp, width
         top_left = button.mapTo(dashboard, button.rect().topLeft())
         assert dashboard.rect().contains(top_left) and dashboard.rect().contains(top_left + button.rect().bottomRight())
         assert button.width() >= button.sizeHint().width()
+
+
+@pytest.mark.usefixtures("large_font")
+def test_the_window_fits_a_1366_by_768_screen(bridge, node, qtbot, qapp):
+    """A laptop's 1366×768 less a 40 px taskbar: the first size and the smallest both fit (at 150 %
+    of a 9.3 pt font), and nothing is wider than the window there."""
+    screen = QSize(1366, 768 - 40)
+    assert default_size(screen).height() + 40 <= screen.height() and default_size(screen).width() <= 1366
+    assert default_size(QSize(1920, 1040)) == QSize(1120, 680)
+    dashboard = Dashboard(bridge)
+    qtbot.addWidget(dashboard)
+    assert dashboard.height() + 40 <= max(screen.height(), dashboard.screen().availableGeometry().height())
+    assert dashboard.minimumSize().width() <= 1366 and dashboard.minimumSize().height() + 40 <= screen.height()
+    show(node, qtbot, bridge, snapshots.serving())
+    dashboard.resize(default_size(screen))
+    dashboard.show()
+    qtbot.waitExposed(dashboard)
+    settle(qapp)
+    assert dashboard.content.width() <= dashboard.centralWidget().viewport().width()
+    assert dashboard.minimumSizeHint().height() + 40 <= screen.height()
 
 
 def test_narrow_windows_stack_the_cards_in_one_column(dashboard, node, bridge, qtbot, qapp):

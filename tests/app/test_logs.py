@@ -65,3 +65,17 @@ def test_read_tail_starts_at_a_whole_line(tmp_path):
 
 def test_matching_lines_ignores_case():
     assert matching_lines("Alpha\nbeta\nALPHABET", "alpha") == ["Alpha", "ALPHABET"]
+
+
+def test_logs_open_at_the_newest_lines_scrolled_to_the_left(tmp_path, qtbot):
+    """A long last line (an engine's command line) once left the window scrolled far to the right."""
+    log = tmp_path / "engine-1.log"
+    log.write_text("".join(f"line {i}\n" for i in range(400)) + "argv " + "--flag value " * 200 + "\n")
+    window = LogsWindow(Bridge(ScriptedNode(snapshots.serving(), log_files={"engine": log})), lambda text: text)
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitExposed(window)
+    bars = window.view.horizontalScrollBar(), window.view.verticalScrollBar()
+    qtbot.waitUntil(lambda: bars[0].maximum() > 0 and bars[1].maximum() > 0, timeout=2000)
+    window.load("engine")
+    assert bars[0].value() == 0 and bars[1].value() >= bars[1].maximum() - 1  # the last line in view

@@ -194,3 +194,69 @@ def test_the_game_pause_says_where_games_can_be_missed(qtbot, paths, bridge, nod
     dialog = dialog_for(qtbot, paths, bridge, login_item)
     assert dialog.game_detection.text() == words
     assert not dialog.game_detection.isHidden()
+
+
+def test_the_lenders_limits_round_trip(qtbot, paths, bridge, node, login_item):
+    dialog = dialog_for(qtbot, paths, bridge, login_item)
+    assert dialog.max_requests.text() == "No limit" and dialog.temperature.text() == "No limit"
+    assert dialog.download_limit.text() == "No limit" and dialog.monthly_budget.text() == "No limit"
+    dialog.memory_share.sliders[0].setValue(70)
+    dialog.max_requests.setValue(4)
+    dialog.temperature.setValue(80)
+    dialog.pause_on_battery.setChecked(False)
+    dialog.stop_unprofitable.setChecked(False)
+    dialog.download_limit.setValue(12.5)
+    dialog.monthly_budget.setValue(200)
+    dialog.notify_idle.setValue(dialog.notify_idle.minimum())  # never
+    dialog.notify_back.setChecked(False)
+    dialog.save_button.click()
+    saved = load_settings(paths)
+    assert saved.memory_share_pct == ((0, 70),)  # GPU 1 lends all of its memory: no entry
+    assert (saved.max_requests, saved.temperature_limit_c) == (4, 80)
+    assert not saved.pause_on_battery and not saved.stop_when_unprofitable
+    assert (saved.download_limit_mib_s, saved.monthly_download_gib) == (12.5, 200)
+    assert saved.notify_idle_hours is None and not saved.notify_back_online
+    again = dialog_for(qtbot, paths, bridge, login_item, saved)
+    assert again.memory_share.sliders[0].value() == 70 and again.memory_share.sliders[1].value() == 100
+    assert again.max_requests.value() == 4 and again.temperature.text() == "80 °C"
+    assert again.download_limit.text() == "12.5 MiB/s" and again.notify_idle.text() == "Never"
+    again.max_requests.setValue(again.max_requests.minimum())
+    again.save_button.click()
+    assert load_settings(paths).max_requests is None  # back to no limit
+
+
+def test_the_memory_slider_says_what_it_leaves_before_saving(qtbot, paths, bridge, node, login_item):
+    from worker.plan.share_preview import preview
+
+    node.emit(snapshots.serving())
+    dialog = dialog_for(qtbot, paths, bridge, login_item, Settings(memory_share_pct=((1, 50),)))
+    gpus, engines = bridge.latest.gpus, bridge.latest.engines
+    assert dialog.memory_share.words[1].text() == preview(gpus[1], 50, engines).words
+    dialog.memory_share.sliders[0].setValue(60)
+    words = dialog.memory_share.words[0].text()
+    assert words == preview(gpus[0], 60, engines).words and "desktop" in words
+    assert not paths.settings_file.exists()  # a preview, nothing saved
+
+
+def test_a_price_no_home_pays_is_asked_about_before_saving(qtbot, paths, bridge, node, login_item):
+    dialog = dialog_for(qtbot, paths, bridge, login_item)
+    dialog.price.setText("32")
+    dialog.save_button.click()
+    assert "did you mean $0.32?" in dialog.error.text()
+    assert not paths.settings_file.exists()
+    dialog.save_button.click()  # asked once: the person meant it
+    assert load_settings(paths).electricity_price_per_kwh == 32
+
+
+def test_the_game_pause_is_not_offered_where_no_game_can_be_seen(qtbot, paths, bridge, node, login_item):
+    from dataclasses import replace
+
+    from worker.node import autopause
+
+    offered = dialog_for(qtbot, paths, bridge, login_item)
+    offered.show()
+    assert offered.auto_pause.isVisible()  # NVML sees games here
+    node.emit(replace(snapshots.idle(), game_detection=autopause.detection_limit(nvml=False, platform="linux")))
+    dialog = dialog_for(qtbot, paths, bridge, login_item)
+    dialog.show()
+    assert not dialog.auto_pause.isVisible() and dialog.game_detection.isVisible()

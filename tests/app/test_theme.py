@@ -71,7 +71,15 @@ def test_sizes_follow_the_system_font(clean, points):
     sizes = {m[0]: float(m[1]) for m in re.findall(r"#(\w+) \{[^}]*font-size: ([\d.]+)pt", clean.styleSheet())}
     assert sizes["statValue"] == pytest.approx(points * 1.9, abs=0.1)
     assert sizes["appTitle"] > sizes["heading"] > points > sizes["caption"]
-    assert "px;" not in re.sub(r"(border(-radius)?|padding|max-height|letter-spacing): [^;]*;", "", clean.styleSheet())
+    fixed = re.sub(r"(border(-radius)?|padding|max-height|letter-spacing|margin): [^;]*;", "", clean.styleSheet())
+    part = r"(?<![-\w])(width|height|padding-right|border-radius): (\d+)px"
+    sized = [(name, int(value)) for name, value in re.findall(part, fixed)]
+    assert sized, "a control's parts (check box, arrow, slider) are sized"
+    doubled = [(name, int(value)) for name, value in
+               re.findall(part, re.sub(r"(border(-radius)?|padding|max-height|letter-spacing|margin): [^;]*;", "",
+                                       theme.stylesheet(theme.LIGHT, points * 2)))]
+    assert [name for name, _ in doubled] == [name for name, _ in sized]
+    assert all(big >= 2 * small - 1 for (_, small), (_, big) in zip(sized, doubled))  # they follow the font
 
 
 def test_a_dialog_made_later_follows_with_no_code_of_its_own(clean, qtbot):

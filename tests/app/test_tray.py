@@ -24,7 +24,8 @@ PAUSES_WHILE_PAUSED = ["Pause for 15 more min", "Pause for 1 more hour", "Keep p
 WINDOWS = ["Open dashboard", "Settings…", "View logs", "Quit"]
 
 
-EARNED = EarningsSnapshot(currency="USD", today=2.84, energy_cost_today=0.61)  # $2.23 net
+EARNED = EarningsSnapshot(currency="USD", today=2.84, energy_cost_today=0.61, power_measured=True,
+                          electricity_price_per_kwh=0.30)  # $2.23 net of the measured electricity
 
 
 def steady(snap: NodeSnapshot, live: float | None = None) -> NodeSnapshot:
@@ -129,7 +130,8 @@ def test_menu_is_rebuilt_from_the_latest_snapshot(bridge, node, qtbot, make, sta
 def test_live_rate_is_zero_when_serving_idle_and_earnings_carry_their_currency(bridge, node, qtbot):
     tray = Tray(bridge)
     quiet = replace(snapshots.serving(), throughput=ThroughputSnapshot(tokens_per_s=812.4, live_tokens_per_s=0.0),
-                    earnings=EarningsSnapshot(currency="CRD", today=1.5, energy_cost_today=0.25))
+                    earnings=EarningsSnapshot(currency="CRD", today=1.5, energy_cost_today=0.25, power_measured=True,
+                                              electricity_price_per_kwh=0.3))
     assert show(tray, node, qtbot, quiet)[1] == ("0.0 tok/s · 1.25 CRD net today", False)
     assert tray.icon.toolTip() == "GPU Provider — Serving · Qwen/Qwen3-8B\n0.0 tok/s · 1.25 CRD net today"
 
@@ -207,7 +209,7 @@ def test_quit_says_stopping_at_once_and_is_offered_no_more(bridge, node, qtbot):
 
 
 @pytest.mark.parametrize(("in_flight", "line"), [(2, "2 requests finishing"), (1, "1 request finishing"),
-                                                 (0, "$0.00 net today")])
+                                                 (0, "$0.00 earned today")])
 def test_the_cores_drain_shows_what_is_left(bridge, node, qtbot, in_flight, line):
     tray = Tray(bridge)
     items = show(tray, node, qtbot, replace(stopping(in_flight), earnings=EarningsSnapshot(currency="USD")))
@@ -215,6 +217,12 @@ def test_the_cores_drain_shows_what_is_left(bridge, node, qtbot, in_flight, line
     assert [text for text, _ in items[2:]] == ["Open dashboard", "View logs", "Quit"]
     assert items[-1] == ("Quit", False)
     assert tray.icon.toolTip() == f"GPU Provider — Stopping…\n{line}"
+
+
+def test_today_is_called_net_only_where_electricity_is_measured(bridge, node, qtbot):
+    tray = Tray(bridge)
+    unmeasured = replace(EARNED, power_measured=False, energy_cost_today=0.0)  # a Mac, or a CPU node
+    assert show(tray, node, qtbot, replace(snapshots.idle(), earnings=unmeasured))[1] == ("$2.84 earned today", False)
 
 
 def test_until_tomorrow_means_tomorrow_morning():
