@@ -119,8 +119,11 @@ class Notifier:
 
     def _notice(self, previous: NodeSnapshot | None, current: NodeSnapshot) -> Notification | None:
         """The newest of the core's one-off lines (several at once would be a burst). Lines that
-        come with a change of state repeat it ("Engine … failed: <log line>"): the state speaks."""
-        if previous is None or tray_state(previous) != tray_state(current):
-            return None  # or from before the app opened: old news
+        come with a failure repeat it ("Engine … failed: <log line>"): the state speaks. A reminder
+        that comes as the node changes state otherwise ("Back online after 2 h offline") is told."""
+        if previous is None:
+            return None  # from before the app opened: old news
+        if tray_state(current) in ("failed", "degraded") and tray_state(previous) != tray_state(current):
+            return None
         lines = new_notices(previous, current)
         return Notification("GPU Provider", short_sentence(lines[-1])) if lines else None

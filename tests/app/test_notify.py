@@ -140,6 +140,13 @@ def test_core_notices_are_shown_once_each_newest_only():
     ]
 
 
+def test_the_back_online_reminder_is_told_as_the_node_comes_back():
+    """The core's reminder comes with the snapshot that leaves Offline: a change of state, yet news."""
+    back = replace(snapshots.idle(), notices=("Back online after 2 h offline",))
+    notes = feed(snapshots.idle(), snapshots.offline(), back)
+    assert notes[2] == Notification("GPU Provider", "Back online after 2 h offline")
+
+
 def test_new_notices_follow_a_rolling_list():
     one = replace(snapshots.serving(), notices=("Update 0.2.0 installed",))
     two = replace(snapshots.serving(), notices=("Update 0.2.0 installed", "Model cache trimmed"))
