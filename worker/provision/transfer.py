@@ -4,8 +4,8 @@ One `TransferControl` belongs to the node; every download obeys it. The node hol
 person's pause, serving paused, a game running, setup unfinished) and releases them; a download waits
 while any hold stands, without reading a byte, so its bandwidth is the game's. A download calls
 `take` with every chunk it receives (`take` blocks: for huggingface_hub's worker threads;
-`take_async` waits on the event loop: for our own downloader), which waits out holds, paces to the
-limit and counts the bytes against the monthly budget. Before a transfer starts, `wait_until_free`
+`take_async` waits on the event loop: for our own downloader), which counts the bytes against the
+monthly budget as they arrive, waits out holds (and a budget used up) and paces to the limit. Before a transfer starts, `wait_until_free`
 waits until its announced size fits this month's budget (held "budget", "until 1 January") and
 refuses one larger than the whole budget (`BudgetExceeded`): nothing is fetched that must stop half-way.
 
@@ -152,10 +152,11 @@ class MonthlyBudget:
 
 @dataclass
 class _Chunk:
-    """One `take`: its bytes are counted (budget, pacing) once, however many times it waits."""
+    """One `take`: its bytes are counted (budget) and paid for (pacing) once, however many times it waits."""
 
     nbytes: int
     counted: bool = False
+    paced: bool = False
     held: bool = False
 
 
@@ -235,7 +236,7 @@ class TransferControl:
                 raise DownloadCancelled()
 
     def take(self, nbytes: int, *, stop: threading.Event | None = None) -> None:
-        """`nbytes` arrived: wait out holds and the budget, count them, pace to the limit (blocking).
+        """`nbytes` arrived: count them, wait out holds (and a budget used up), pace to the limit (blocking).
         `stop` set (the caller gave up) ends a wait with `DownloadCancelled`."""
         chunk = _Chunk(nbytes)
         while (wait_s := self._step(chunk)) > 0:
@@ -245,7 +246,7 @@ class TransferControl:
         """`take` on the event loop; `on_wait` is called while a hold keeps it waiting (to publish why)."""
         chunk = _Chunk(nbytes)
         while (wait_s := self._step(chunk)) > 0:
-            if chunk.held and not chunk.counted and on_wait is not None:
+            if chunk.held and not chunk.paced and on_wait is not None:
                 on_wait()
             await asyncio.sleep(min(wait_s, POLL_S))
 
@@ -277,25 +278,28 @@ class TransferControl:
             return fits and self._first_hold() is None
 
     def _step(self, chunk: _Chunk) -> float:
-        """Seconds `chunk` must still wait (0: done); it is counted once nothing holds it."""
+        """Seconds `chunk` must still wait (0: done): it counts against the budget at once (it arrived),
+        then waits out holds (and a budget used up), then is paid for at the limit."""
         with self._changed:
             if self._cancelled:
                 raise DownloadCancelled()
-            now = self._clock()
-            if not chunk.counted:
-                fits = self._budget_allows(chunk.nbytes)
+            if not chunk.counted:  # the bytes are here: they count, whatever happens next
+                chunk.counted = True
+                if self._budget is not None:
+                    self._budget.add(chunk.nbytes)
+            if not chunk.paced:
+                fits = self._budget_allows(0)  # first: it lifts its own hold once the month turns
                 if not fits or self._first_hold() is not None:
                     if not chunk.held:
                         chunk.held = True
                         self.waits += 1
                     return POLL_S
-                chunk.counted = True
-                if self._budget is not None:
-                    self._budget.add(chunk.nbytes)
+                chunk.paced = True
                 if self._rate is not None:
-                    behind = now - self._paid_until  # a late wake-up is made up; a pause earns nothing
-                    self._paid_until = (self._paid_until if behind < CATCH_UP_S else now) + chunk.nbytes / self._rate
-            return max(0.0, self._paid_until - now) if self._rate is not None else 0.0
+                    behind = self._clock() - self._paid_until  # a late wake-up is made up; a pause earns nothing
+                    self._paid_until = (self._paid_until if behind < CATCH_UP_S else self._clock()) + (
+                        chunk.nbytes / self._rate)
+            return max(0.0, self._paid_until - self._clock()) if self._rate is not None else 0.0
 
     def _budget_allows(self, nbytes: int) -> bool:
         """Whether `nbytes` fit this month; if not, the "budget" hold says until when. Lock held."""

@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path, PurePath
@@ -203,6 +204,30 @@ async def test_a_download_larger_than_the_whole_budget_is_refused_before_it_star
     assert watch.events[-1].error and not (tmp_path / "cache" / "m.gguf.part").exists()
 
 
+async def test_quit_while_paused_then_a_restart_resumes_from_the_part_counting_every_byte_once(
+        ca: trustme.CA, tmp_path: Path) -> None:
+    budget = budget_in(tmp_path, None)
+    control = TransferControl(budget=budget)
+    watch = Watch(3 * MIB, lambda: control.hold("paused_by_you"))
+    with HttpsServer(ca=ca, rate_bytes_per_s=16 * MIB) as server:
+        server.add("m.gguf", BODY)
+        task = asyncio.create_task(download(server, tmp_path, control, watch))
+        await until(lambda: bool(watch.held()))
+        task.cancel()  # the app quits
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        kept = (tmp_path / "cache" / "m.gguf.part").stat().st_size
+        budget.flush()
+
+        again = budget_in(tmp_path, None)  # the app starts again
+        path = await download(server, tmp_path, TransferControl(budget=again), Watch())
+        again.flush()
+
+    assert path.read_bytes() == BODY
+    assert gets(server) == [None, f"bytes={kept}-"] and kept >= 3 * MIB
+    assert again.used_bytes() == len(BODY)  # what arrived before the quit, and the rest: each byte once
+
+
 @pytest.mark.parametrize("while_held", [False, True])
 async def test_cancel_removes_the_part_and_is_no_failure(ca: trustme.CA, tmp_path: Path, while_held: bool) -> None:
     control = TransferControl()
@@ -258,13 +283,26 @@ def test_a_budget_file_that_is_not_ours_counts_from_zero(tmp_path: Path, content
     assert budget_in(tmp_path, 1.0).used_bytes() == 0
 
 
-def test_a_chunk_larger_than_the_whole_budget_raises_rather_than_waiting_forever(tmp_path: Path) -> None:
-    control = TransferControl(budget=budget_in(tmp_path, 1 * MIB / GIB))
+def test_bytes_count_as_they_arrive_and_a_used_up_budget_holds_until_the_month_turns(tmp_path: Path) -> None:
+    calendar = Calendar(DECEMBER_31)
+    budget = budget_in(tmp_path, 2 * MIB / GIB, calendar)
+    control = TransferControl(budget=budget)
+    with pytest.raises(BudgetExceeded):
+        control.wait_until_free(3 * MIB)  # announced larger than the whole budget: it could never start
 
-    with pytest.raises(BudgetExceeded):
-        control.take(2 * MIB)
-    with pytest.raises(BudgetExceeded):
-        control.wait_until_free(2 * MIB)
+    control.take(MIB)
+    stop = threading.Event()
+    taker = threading.Thread(target=lambda: control.take(2 * MIB, stop=stop))  # a download without a size
+    taker.start()
+    deadline = time.monotonic() + 5
+    while control.held() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    assert budget.used_bytes() == 3 * MIB  # counted on arrival, over the budget by what came unannounced
+    assert control.held() == ("budget", "until 1 January")
+    calendar.now = JANUARY_2
+    taker.join(5)
+    assert not taker.is_alive() and control.held() is None
 
 
 def test_a_new_budget_goes_on_from_the_old_ones_count(tmp_path: Path) -> None:
