@@ -39,6 +39,7 @@ MIB = 1024 * 1024
 GIB = 1024 * MIB
 POLL_S = 0.25  # how soon a waiting download notices a release, a cancel, a new month
 CATCH_UP_S = 0.25  # pacing makes up for waits that overran by less than this, so sleeps' overshoot costs no speed
+MIN_SLEEP_S = 0.02  # pacing sleeps no shorter than this: a fast limit is not thousands of wake-ups a second
 SAVE_EVERY_S = 1.0  # the budget file is rewritten at most this often while bytes arrive
 BUDGET_FILE = "download-budget.json"
 HOLD_ORDER: tuple[DownloadHold, ...] = ("paused_by_you", "paused", "game", "budget", "setup")
@@ -226,6 +227,7 @@ class TransferControl:
                 self._active -= 1
                 if self._active == 0:
                     self._cancelled = False
+                    self._holds.pop("budget", None)  # the budget holds a download, not the node
                 budget = self._budget
             if budget is not None:
                 budget.flush()
@@ -299,7 +301,8 @@ class TransferControl:
                     behind = self._clock() - self._paid_until  # a late wake-up is made up; a pause earns nothing
                     self._paid_until = (self._paid_until if behind < CATCH_UP_S else self._clock()) + (
                         chunk.nbytes / self._rate)
-            return max(0.0, self._paid_until - self._clock()) if self._rate is not None else 0.0
+            owed = self._paid_until - self._clock() if self._rate is not None else 0.0
+            return owed if owed >= MIN_SLEEP_S else 0.0  # shorter debts add up until one is worth a sleep
 
     def _budget_allows(self, nbytes: int) -> bool:
         """Whether `nbytes` fit this month; if not, the "budget" hold says until when. Lock held."""

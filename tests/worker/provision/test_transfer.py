@@ -305,6 +305,17 @@ def test_bytes_count_as_they_arrive_and_a_used_up_budget_holds_until_the_month_t
     assert not taker.is_alive() and control.held() is None
 
 
+def test_a_budget_hold_ends_with_the_download_it_held(tmp_path: Path) -> None:
+    budget = budget_in(tmp_path, 1.0)
+    budget.add(GIB)
+    control = TransferControl(budget=budget)
+    with control.transfer():
+        assert not control.free_for(MIB)
+        assert control.held() == ("budget", "until 1 January")
+
+    assert control.held() is None  # cancelled or failed: nothing waits for the budget any more
+
+
 def test_a_new_budget_goes_on_from_the_old_ones_count(tmp_path: Path) -> None:
     old = budget_in(tmp_path, 1.0)
     control = TransferControl(budget=old)
