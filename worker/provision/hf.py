@@ -245,6 +245,7 @@ async def _fetch_controlled(
     request: RepoRequest, what: str, on_progress: ProgressCallback, free_bytes: FreeBytes, margin_bytes: int,
     clock: Callable[[], float], poll_s: float, cap: SizeCap | None, control: TransferControl, existed: bool,
 ) -> Path:
+    """`fetch_repo` within its transfer: every failure, a cancel included, ends in one last event."""
     meter = ProgressMeter(what, on_progress, clock=clock, control=control)
     try:
         await control.wait_until_free_async(0, lambda: meter.update(0))  # held: not even the file list is asked for
