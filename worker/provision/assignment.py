@@ -26,17 +26,19 @@ from worker.provision.engine_install import accelerator_of, cuda_version, ensure
 from worker.provision.errors import ProvisionError
 from worker.provision.models import ensure_model
 from worker.provision.progress import ProgressCallback
+from worker.provision.transfer import TransferControl
 from worker.system.backoff import DoublingBackoff
 
 OFFLINE_BACKOFF = DoublingBackoff(initial_s=15.0, maximum_s=600.0)  # 15 s doubling to 10 min
 
 
 async def provision(current: Plan, machine: Machine, paths: Paths, settings: Settings, on_progress: ProgressCallback,
-                    *, engine_bins: Mapping[str, str]) -> list[EnginePlan]:
-    """Model files (and, where missing, the engine) in place; the plans rewritten to use them."""
-    engine = await _engine_executable(current, machine, paths, on_progress, engine_bins)
+                    *, engine_bins: Mapping[str, str], control: TransferControl | None = None) -> list[EnginePlan]:
+    """Model files (and, where missing, the engine) in place; the plans rewritten to use them.
+    `control`: the node's hold, pace, budget and cancel over every download it makes."""
+    engine = await _engine_executable(current, machine, paths, on_progress, engine_bins, control)
     path = await ensure_model(current.engine_model, current.engine, paths, settings, on_progress,
-                              wsl_distro=engine.wsl_distro if engine.in_wsl else None)
+                              wsl_distro=engine.wsl_distro if engine.in_wsl else None, control=control)
     plans = [dataclasses.replace(ep, model=str(path), executable=engine.executable, env={**ep.env, **engine.env},
                                  in_wsl=engine.in_wsl, wsl_distro=engine.wsl_distro)
              for ep in current.engines]
@@ -92,7 +94,7 @@ class _Engine:
 
 
 async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_progress: ProgressCallback,
-                             engine_bins: Mapping[str, str]) -> _Engine:
+                             engine_bins: Mapping[str, str], control: TransferControl | None) -> _Engine:
     """The engine the user pointed at, the one found on the machine, or one installed now (one
     found inside WSL2 is installed-or-found there, which gives its Linux command line)."""
     engine, wanted = current.engine, current.engine_model.engine_version
@@ -114,6 +116,7 @@ async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_p
         runtime=machine.runtime,  # the build for this runtime (a CPU build on a machine without a usable GPU)
         machine_os=machine.os,
         wsl_distro=machine.wsl_distro,
+        control=control,
     )
     env = library_env(install.library_dir) if install.library_dir else {}
     return _Engine(install.executable, env, install.in_wsl, install.wsl_distro)
