@@ -94,7 +94,7 @@ class _Engine:
 
 
 async def _engine_executable(current: Plan, machine: Machine, paths: Paths, on_progress: ProgressCallback,
-                             engine_bins: Mapping[str, str], control: TransferControl | None) -> _Engine:
+                             engine_bins: Mapping[str, str], control: TransferControl | None = None) -> _Engine:
     """The engine the user pointed at, the one found on the machine, or one installed now (one
     found inside WSL2 is installed-or-found there, which gives its Linux command line)."""
     engine, wanted = current.engine, current.engine_model.engine_version
