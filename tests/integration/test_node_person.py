@@ -415,3 +415,21 @@ async def test_online_and_idle_for_the_chosen_hours_and_back_after_an_outage_are
         await asyncio.sleep(1.5)
         assert run.node.snapshot().notices.count("Back online after 5 min offline") == 1
         assert run.node.snapshot().notices.count(idle) == 1
+
+
+async def test_a_quit_is_not_turned_into_a_pause_by_the_lenders_limits(
+        tmp_path: Path, vllm_standin: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_TOKEN_DELAY_S", "0.3")
+    battery: list[Any] = [None]
+    monkeypatch.setattr(psutil, "sensors_battery", lambda: battery[0])
+    async with card_node(tmp_path, vllm_standin, monkeypatch, FakeCard(), Settings(pause_on_battery=True)) as run:
+        await run.status("ready")
+        exchange = await run.coordinator.request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                                                  "stream": True})
+        await eventually(lambda: run.node.snapshot().in_flight == 1)
+        run.node.shutdown()
+        await eventually(lambda: run.node.snapshot().stopping)
+        battery[0] = SimpleNamespace(percent=80.0, secsleft=3600, power_plugged=False)
+        await asyncio.sleep(1.5)
+        assert not run.node.snapshot().paused and title(run) == "Stopping…"
+        assert (await exchange.collect(timeout=STATE_TIMEOUT_S)).end is not None  # drained, not cut

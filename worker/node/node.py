@@ -707,11 +707,14 @@ class Node:
     # --- the lender's limits --------------------------------------------------------------------
 
     def _judge_limits(self) -> None:
-        """This second's readings judged by the lender's limits; their pause taken or lifted."""
+        """This second's readings judged by the lender's limits; their pause taken or lifted (not
+        while quitting: the engines are stopping anyway)."""
         event = self._lender.judge(
             self._held.pause, samples=self._gpus.samples.values(), capacity=self._metering.last_capacity,
             price=self._welcome.price if self._welcome else None, serving=bool(self._engines.ready_targets()),
             in_flight=self._in_flight())
+        if self._held.stopping:
+            return
         if isinstance(event, policy.Paused):
             self._tasks.spawn(self._do_pause(event.reason, None, event.detail))
         elif event is not None and not self._guard_resuming:
