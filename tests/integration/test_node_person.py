@@ -1,7 +1,8 @@
 """What a person sees and controls, on the real node: the first-run consent (nothing connects or
 downloads before setup is finished), one headline through each state (the same words in the
-snapshot the app renders and in `gpu-provider status`), the network's routing notice, and the
-lender's limits (requests at once at the relay, a card too hot, the battery).
+snapshot the app renders and in `gpu-provider status`), the network's routing notice, the
+lender's limits (requests at once at the relay, a card too hot, the battery, costs, the memory
+share's preview) and the reminders.
 
 Real parts: the reference coordinator over real sockets, a real llama-server with the tiny GGUF
 fetched from a throttled local https server, the vLLM stand-in on a fake NVML card.
