@@ -1,7 +1,7 @@
 """What a person sees and controls, on the real node: the first-run consent (nothing connects or
 downloads before setup is finished), one headline through each state (the same words in the
-snapshot the app renders and in `gpu-provider status`), the network's routing notice, the
-lender's limits (requests at once at the relay, a card too hot, the battery, costs, the memory
+snapshot the app renders and in `gpu-provider status`), the network's routing notice, downloads
+held, paused, resumed and cancelled, the lender's limits (requests at once at the relay, a card too hot, the battery, costs, the memory
 share's preview) and the reminders.
 
 Real parts: the reference coordinator over real sockets, a real llama-server with the tiny GGUF
@@ -183,6 +183,15 @@ async def test_the_headline_follows_the_real_node_through_its_states_and_status_
         download = await run.coordinator.wait_for(lambda m: isinstance(m, protocol.Status) and m.download is not None)
         assert download.download.what == "model" and download.state == "configured"
 
+        run.node.pause_download()
+        held = await headline_becomes(run, lambda t: t.startswith("Download waiting"))
+        assert held.headline.detail == "Paused by you" and held.downloads[0].held == "paused_by_you"
+        await run.coordinator.wait_for(lambda m: isinstance(m, protocol.Status) and m.download is not None
+                                       and m.download.paused)
+        sent = file_server.sent_bytes
+        await asyncio.sleep(1.5)
+        assert file_server.sent_bytes - sent <= 256 * 1024  # what was already on its way, then nothing
+        run.node.resume_download()
         file_server.rate_bytes_per_s = None
 
         ready = await run.status("ready", "failed")
@@ -247,6 +256,43 @@ async def test_the_networks_routing_notice_is_the_reason_until_it_sends_traffic_
         await eventually(lambda: run.node.snapshot().routing is not None)
         await run.coordinator.restart()
         await eventually(lambda: run.node.snapshot().routing is None)  # the link dropped
+
+
+# --- downloads: the node's pause holds them, cancel pauses the node ----------------------------
+
+
+async def test_a_pause_holds_the_download_and_resume_lets_it_finish_and_serve(
+        tmp_path: Path, llama_server_bin: LlamaServer, tiny_gguf: Path, file_server: HttpsServer) -> None:
+    file_server.rate_bytes_per_s = 64 * 1024
+    async with running_node(tmp_path, llama(llama_server_bin), fixture="no-gpu.json",
+                            assign=served_assign(file_server, tiny_gguf)) as run:
+        await eventually(lambda: any(d.done_bytes > 0 for d in run.node.snapshot().downloads))
+        run.node.pause()
+        await eventually(lambda: any(d.held == "paused" for d in run.node.snapshot().downloads))
+        assert title(run) == "Paused"
+        sent = file_server.sent_bytes
+        await asyncio.sleep(1.5)
+        assert file_server.sent_bytes - sent <= 256 * 1024  # the bandwidth is the person's while paused
+        file_server.rate_bytes_per_s = None
+        run.node.resume()  # the held download holds the engines lock: the resume must let it go first
+        ready = await run.status("ready", "failed", timeout=STATE_TIMEOUT_S * 2)
+        assert ready.state == "ready", ready.last_error
+
+
+async def test_cancel_stops_the_download_and_pauses_the_node_keeping_the_assignment(
+        tmp_path: Path, llama_server_bin: LlamaServer, tiny_gguf: Path, file_server: HttpsServer) -> None:
+    file_server.rate_bytes_per_s = 32 * 1024
+    async with running_node(tmp_path, llama(llama_server_bin), fixture="no-gpu.json",
+                            assign=served_assign(file_server, tiny_gguf)) as run:
+        await eventually(lambda: any(d.done_bytes > 0 for d in run.node.snapshot().downloads))
+        run.node.cancel_download()
+        snap = await headline_becomes(run, "Paused")
+        assert snap.assignment_id == "cpu-1" and snap.problem is None and snap.downloads == ()
+        assert not list(tmp_path.rglob("*.part"))
+        file_server.rate_bytes_per_s = None
+        run.node.resume()  # fetched again
+        ready = await run.status("ready", "failed", timeout=STATE_TIMEOUT_S * 2)
+        assert ready.state == "ready", ready.last_error
 
 
 # --- the lender's limits ------------------------------------------------------------------------

@@ -545,7 +545,7 @@ class Node:
         self._news.publish()
         try:
             engine_plans = await provision(current, self.machine, self.paths, self.settings, self._news.on_download,
-                                           engine_bins=self._engine_bins)
+                                           engine_bins=self._engine_bins, control=self._lender.downloads)
         except ProvisionError as exc:
             log.error("%s: %s", exc.problem.title, exc.problem.message)
             raise
