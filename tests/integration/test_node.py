@@ -291,8 +291,9 @@ async def test_streamed_completion_relayed_byte_for_byte_with_usage(tmp_path: Pa
 
 
 async def test_throughput_counts_the_run_and_earnings_are_price_times_tokens(
-    tmp_path: Path, vllm_standin: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, vllm_standin: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("STANDIN_TOKEN_DELAY_S", "0.03")  # tokens a caller sees one by one: a decode to time
     async with running_node(tmp_path, vllm(vllm_standin), assign=vllm_assign(model_folder(tmp_path))) as run:
         await run.status("ready")
         await asyncio.sleep(1.2)  # a tick scrapes the idle engine's /metrics: the cross-check's baseline
