@@ -178,7 +178,7 @@ class EarningsSnapshot:
     energy_cost_all_time: float = 0.0
     energy_kwh_today: float = 0.0
     days: tuple[DayEarnings, ...] = ()  # the last 30 local days, oldest first, today last
-    net_per_hour: float | None = None  # net over the serving hours of the last 24 h; None = none served
+    net_per_hour: float | None = None  # net over the serving hours of the last 24 h; None = under 15 minutes served
     electricity_price_per_kwh: float = 0.0  # 0 = not set: net equals gross, the app nudges
     power_measured: bool = False  # this machine's power draw is measured (NVML): "net of electricity" means something
     projected_per_day: float | None = None  # net per day at the current net rate; None = nothing to project from

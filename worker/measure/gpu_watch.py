@@ -41,17 +41,17 @@ class GpuWatch:
         self.samples: dict[int, GpuSample] = {}  # by card index; empty without NVML
         self._energy = EnergyIntegrator()
 
-    async def sample(self, now: float) -> float:
-        """Samples every card (off the loop); the joules they drew since the last sample."""
+    async def sample(self, now: float) -> dict[int, float]:
+        """Samples every card (off the loop); the joules each drew since the last sample, by index."""
         if self.nvml is None:
-            return 0.0
+            return {}
         try:
             samples = await asyncio.to_thread(sample_gpus, self.nvml)
         except NvmlError as exc:
             log.debug("GPU sample failed: %s", exc)
             samples = []
         self.samples = {s.index: s for s in samples}
-        return sum(self._energy.add(s.index, now, s.power_w, s.energy_mj) for s in samples)
+        return {s.index: self._energy.add(s.index, now, s.power_w, s.energy_mj) for s in samples}
 
     def processes_besides(self, own: Callable[[], Collection[int]]) -> list[GpuProcess]:
         """GPU users that are none of `own()` (the app's processes: asked only where NVML is)."""

@@ -162,8 +162,28 @@ def node_options() -> argparse.ArgumentParser:
         help="with --coordinator local: the OpenAI-compatible endpoint's port on 127.0.0.1 (default 8090; "
         "if another program holds it the endpoint does not start, it never moves elsewhere)",
     )
+    options.add_argument(
+        "--tune-minutes", metavar="N", type=float, default=None,
+        help="with --coordinator local: after the first ready, spend up to N minutes finding this machine's "
+        "fastest safe engine arguments; a result is kept and checked again at each start",
+    )
     options.add_argument("--verbose", action="store_true", help="log debug lines too")
     return options
+
+
+def local_tune(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The `tune` block `--tune-minutes` asks local mode for; `InputError` where its budget is
+    outside what the contract allows (refused here, not after the model has started)."""
+    minutes = getattr(args, "tune_minutes", None)
+    if minutes is None:
+        return None
+    from worker.contract.protocol import TuneRefused, parse_tune
+    from worker.link.local import local_tune_block
+
+    block = local_tune_block(minutes=minutes)
+    if isinstance(refused := parse_tune(block), TuneRefused):
+        raise InputError(f"--tune-minutes: {refused}")
+    return block
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -273,6 +293,7 @@ def run_node(args: argparse.Namespace, settings: Settings) -> int:
 
     try:
         engine_bins = parse_engine_bins(args.engine_bin)
+        tune = local_tune(args)
     except InputError as exc:
         print(f"gpu-provider: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -286,6 +307,7 @@ def run_node(args: argparse.Namespace, settings: Settings) -> int:
             engine_bins=engine_bins,
             model=args.model,
             openai_port=args.openai_port,
+            local_tune=tune,
             verbose=args.verbose,
         )
     except (DataFolderInUse, DataFolderUnsafe, LedgerError) as exc:  # nothing was read or written through it

@@ -7,6 +7,7 @@ import logging
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from worker.system.applog import configure
 from worker.system.config import Paths, Settings
@@ -48,6 +49,7 @@ def run_headless(
     engine_bins: dict[str, str] | None = None,
     model: str | None = None,
     openai_port: int | None = None,
+    local_tune: dict[str, Any] | None = None,
     verbose: bool = False,
 ) -> int:
     """The node until Ctrl-C / SIGTERM, which drain and exit 0."""
@@ -60,6 +62,7 @@ def run_headless(
         engine_bins=engine_bins,
         model=model,
         openai_port=openai_port,
+        local_tune=local_tune,
     )
     node.subscribe(_ProgressLines())
 

@@ -95,13 +95,13 @@ class Node:
         monotonic: Callable[[], float] = time.monotonic,
         offline_backoff: RestartBackoff = OFFLINE_BACKOFF,
         power: PowerAssertion | None = None,
-        tuner_settings: TunerSettings = TunerSettings(),
+        tuner_settings: TunerSettings | None = None,
         local_tune: dict[str, Any] | None = None,
         wait_for_setup: bool = False,
     ) -> None:
         """`offline_backoff`: when a download or install the network cut short is tried again;
         `power`: what keeps the computer awake while it serves (None: this platform's own);
-        `tuner_settings`: how hard a tuning measures (tests shrink it); `local_tune`: with the
+        `tuner_settings`: how hard a tuning measures (None: as each search's budget allows); `local_tune`: with the
         local coordinator, the contract's `tune` block its assignment carries (`local_tune_block`);
         `wait_for_setup`: the desktop app's node, which waits for the first-run flow
         (`Settings.setup_complete`) before it connects, downloads or starts anything."""
@@ -128,7 +128,7 @@ class Node:
         self._books = Books(self.paths.ledger_file, lambda: self.settings.currency,
                             lambda: self.settings.electricity_price_per_kwh)
         self._metering = Metering(self._engines.get, self._books, self._terms, monotonic, clock)
-        self._sampler = Sampler(self._gpus, self._books, self._metering, running=lambda: len(self._engines) > 0,
+        self._sampler = Sampler(self._gpus, self._books, self._metering, cards=self._engines.cards,
                                 targets=self._engines.ready_targets, in_flight=self._in_flight,
                                 settings=lambda: self.settings, clock=clock)
         self._last_heartbeat = monotonic()

@@ -2,15 +2,16 @@
 /metrics and the chart history. Off the loop where it waits (NVML, SQLite): the event loop keeps
 relaying while a card is slow to answer or the ledger is written.
 
-Serving's electricity is only what the cards drew while engines ran: none while paused (a game's
-is the player's). Points are kept in memory each second and written every few (`Books.flush`)."""
+Serving's electricity is only what the cards engines run on drew while they ran: none while
+paused (a game's is the player's), none from a card no engine uses (an engine on the CPU beside an
+idle graphics card draws nothing NVML can tell apart). Points are kept in memory each second and written every few (`Books.flush`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from worker.measure.gpu_watch import GpuWatch
 from worker.measure.ledger import Books
@@ -28,14 +29,14 @@ TICK_S = 1.0
 class Sampler:
     """What is sampled each second, and where it goes."""
 
-    def __init__(self, gpus: GpuWatch, books: Books, metering: Metering, *, running: Callable[[], bool],
+    def __init__(self, gpus: GpuWatch, books: Books, metering: Metering, *, cards: Callable[[], Collection[int]],
                  targets: Callable[[], Sequence[EngineTarget]], in_flight: Callable[[], int],
                  settings: Callable[[], Settings], clock: Callable[[], float] = time.time) -> None:
-        """`running`: engines run (serving draws the cards' power); `targets`: the ready ones."""
+        """`cards`: the GPUs running engines use now (serving draws their power); `targets`: the ready engines."""
         self._gpus = gpus
         self._books = books
         self._metering = metering
-        self._running = running
+        self._cards = cards
         self._targets = targets
         self._in_flight = in_flight
         self._settings = settings
@@ -62,8 +63,10 @@ class Sampler:
     async def sample(self) -> None:
         """One second's telemetry, energy, engine /metrics and chart points."""
         now = self._clock()
-        joules = await self._gpus.sample(now)
-        if joules and self._running():
+        by_card = await self._gpus.sample(now)
+        serving = self._cards()
+        joules = sum(drawn for index, drawn in by_card.items() if index in serving)
+        if joules:
             settings = self._settings()
             self._books.add_energy(joules, now, settings.electricity_price_per_kwh, settings.currency)
         await self._metering.scrape(self._targets(), busy=self._in_flight() > 0)

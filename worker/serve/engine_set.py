@@ -59,6 +59,10 @@ class EngineSet:
         """Safe from any thread (auto-pause asks from one): the dict is copied in one step."""
         return [s.snapshot() for s in list(self._supervisors.values())]
 
+    def cards(self) -> set[int]:
+        """The GPUs the engines run on (starting ones too: loading a model draws power)."""
+        return {index for snap in self.snapshots() for index in snap.gpu_indices}
+
     def states(self) -> list[NodeState]:
         return [snap.state for snap in self.snapshots()]
 

@@ -32,7 +32,7 @@ class Node:
         self.books.open()
         metering = Metering(lambda engine_id: None, self.books, lambda: None, clock=lambda: self.now)
         metering.start_run("engine-0", "run-1")  # an engine serves: the ledger counts serving minutes
-        self.sampler = Sampler(gpus, self.books, metering, running=lambda: True, targets=list,
+        self.sampler = Sampler(gpus, self.books, metering, cards=lambda: {0}, targets=list,
                                in_flight=lambda: 0, settings=lambda: Settings(electricity_price_per_kwh=0.30),
                                clock=lambda: self.now)
 

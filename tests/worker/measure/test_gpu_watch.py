@@ -24,15 +24,15 @@ CARD = {"device_count": 1, "memory:0": {"total_mib": 24564, "free_mib": 23000, "
 async def test_samples_and_the_energy_drawn_between_them() -> None:
     calls = dict(CARD)
     watch = GpuWatch(ReplaySource(calls))
-    assert await watch.sample(10.0) == 0.0  # the first sample: nothing to compare with
+    assert await watch.sample(10.0) == {0: 0.0}  # the first sample: nothing to compare with
     assert watch.samples[0].power_w == 300.0 and watch.samples[0].util_pct == 97
     calls["energy_mj:0"] = 1_450_000
-    assert await watch.sample(11.0) == pytest.approx(450.0)  # NVML's counter, exact
+    assert await watch.sample(11.0) == {0: pytest.approx(450.0)}  # NVML's counter, exact
 
 
 async def test_without_nvml_nothing_is_sampled_held_or_measured() -> None:
     watch = GpuWatch(None)
-    assert await watch.sample(10.0) == 0.0 and watch.samples == {}
+    assert await watch.sample(10.0) == {} and watch.samples == {}
     assert watch.processes_besides(lambda: pytest.fail("own processes asked without NVML")) == []
     assert watch.released({os.getpid()})
 

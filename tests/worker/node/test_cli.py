@@ -184,3 +184,26 @@ def test_help_lists_every_flag_the_desktop_app_takes(capsys: pytest.CaptureFixtu
     app_flags = {"--coordinator", "--hardware", "--engine-bin", "--model", "--openai-port", "--verbose",
                  "--minimized", "--quit-after", "--data-dir"}
     assert {flag for flag in app_flags if flag in text} == app_flags
+
+
+@pytest.mark.parametrize("minutes", ["0", "-5", "100000"])
+def test_a_tuning_budget_the_contract_refuses_exits_2_before_anything_starts(tmp_path, capsys, minutes):
+    code = cli.main(["run", "--headless", "--coordinator", "local", "--tune-minutes", minutes,
+                 "--data-dir", str(tmp_path / "data")])
+    assert code == 2
+    assert "--tune-minutes" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()  # refused before the data folder was made
+
+
+def test_tune_minutes_hands_local_mode_its_tune_block(tmp_path, monkeypatch):
+    from worker.node import headless
+
+    given: dict[str, object] = {}
+    monkeypatch.setattr(headless, "run_headless", lambda paths, settings, **kwargs: given.update(kwargs) or 0)
+    assert cli.main(["run", "--headless", "--coordinator", "local", "--tune-minutes", "20",
+                 "--data-dir", str(tmp_path / "data")]) == 0
+    assert given["local_tune"] == {"enabled": True, "when": ["on_assign"], "budget": {"max_minutes": 20.0,
+                                                                                       "max_trials": 12}}
+    given.clear()
+    assert cli.main(["run", "--headless", "--coordinator", "local", "--data-dir", str(tmp_path / "data")]) == 0
+    assert given["local_tune"] is None

@@ -23,12 +23,12 @@ class Rig:
         self.card = FakeCard(power_mw=300_000, energy_mj=1_000_000)
         FakeNvml([self.card]).install(monkeypatch)
         self.now = 1_760_000_000.0
-        self.running = False
+        self.cards: set[int] = set()  # the GPUs engines run on
         self.books = Books(tmp_path / "ledger.sqlite", lambda: "EUR", lambda: 0.30)
         self.books.open()
         self.gpus = GpuWatch(PynvmlSource())
         metering = Metering(lambda engine_id: None, self.books, lambda: None, clock=lambda: self.now)
-        self.sampler = Sampler(self.gpus, self.books, metering, running=lambda: self.running, targets=list,
+        self.sampler = Sampler(self.gpus, self.books, metering, cards=lambda: self.cards, targets=list,
                                in_flight=lambda: 0, settings=lambda: Settings(electricity_price_per_kwh=0.30),
                                clock=lambda: self.now)
 
@@ -55,9 +55,17 @@ async def test_energy_counts_only_while_engines_run(rig: Rig) -> None:
     await rig.second(0)  # the counter's first reading: nothing to integrate yet
     await rig.second(360_000)  # 0.1 kWh, not serving (paused: a game's is the player's)
     assert rig.kwh() == 0.0
-    rig.running = True
+    rig.cards = {0}
     await rig.second(360_000)
     assert rig.kwh() == pytest.approx(0.1)
+
+
+async def test_a_card_no_engine_runs_on_is_not_serving_electricity(rig: Rig) -> None:
+    """An engine on the CPU (or on another card) beside this one: its draw is the desktop's."""
+    rig.cards = {1}
+    await rig.second(0)
+    await rig.second(360_000)
+    assert rig.kwh() == 0.0
 
 
 async def test_each_card_is_charted_every_second(rig: Rig) -> None:
