@@ -141,10 +141,12 @@ class Dashboard(QMainWindow):
         top = QHBoxLayout()
         top.setSpacing(12)
         top.addWidget(self.values.label("app_title", "appTitle", "GPU Provider"))
-        self.state_pill = self.values.label("state", "pill", wrap=True)  # the headline: long titles wrap
-        self.state_pill.setMinimumHeight(PILL_HEIGHT)
-        top.addWidget(self.state_pill, 1, Qt.AlignmentFlag.AlignLeft)
+        top.addStretch(1)
         column.addLayout(top)
+        # the headline's title in the state's colour, on its own line: a long one wraps, never cut off
+        self.state_pill = self.values.label("state", "pill", wrap=True)
+        self.state_pill.setMinimumHeight(PILL_HEIGHT)
+        column.addWidget(self.state_pill)
         column.addWidget(self.values.label("subtitle", "subtitle", wrap=True))
         column.addWidget(self.values.label("not_earning", "warning", wrap=True))
         buttons = QWidget()
@@ -268,6 +270,8 @@ class Dashboard(QMainWindow):
             self.values.set("plan", snapshot.model or "")
         elif snapshot.paused:
             self.values.set("plan", "Stopped while paused, so your GPU is all yours.")
+        elif snapshot.model:
+            self.values.set("plan", f"{snapshot.model}: starts once it is downloaded and loaded.")
         else:
             self.values.set("plan", "Waiting for the network to pick a model.")
         tuning = tuning_line(snapshot.tuning)

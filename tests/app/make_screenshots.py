@@ -1,6 +1,8 @@
-"""Render the dashboard and the tray menu in each main state, and each page of the first-run
-flow, in light and dark, into docs/screenshots/, offscreen, and the tray icons into assets/tray/.
-Run: `.venv/bin/python -m tests.app.make_screenshots`."""
+"""Render the dashboard and the tray menu in each main state (the GPUs and engines as the real
+planner lays them out for a recorded machine: tests/app/snapshots.py), the window as it first opens
+on a 1366×768 screen at the system font and at 150 % of it, each page of the first-run flow and the
+Settings tabs, in light and dark, into docs/screenshots/, offscreen, and the tray icons into
+assets/tray/. Run: `.venv/bin/python -m tests.app.make_screenshots`."""
 
 from __future__ import annotations
 
@@ -12,27 +14,30 @@ from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from PySide6.QtCore import QPoint, QRect, Qt
+from PySide6.QtCore import QEvent, QPoint, QRect, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QPainter, QPixmap
 from PySide6.QtWidgets import QApplication
 
 from app import theme
 from app.bridge import Bridge
-from app.dashboard import Dashboard
+from app.dashboard import Dashboard, default_size
 from app.first_run import GPUS, HABITS, NETWORK, PRICE, SIGN_IN, FirstRunFlow
 from app.format import STATE_COLOURS, tray_state
 from app.icons import state_pixmap
+from app.settings import SettingsDialog
 from app.tray import Tray
 from tests.app import snapshots
 from tests.app.scripted_node import ScriptedNode
 from worker.system import autostart
-from worker.system.config import Settings
+from worker.system.config import Paths, Settings
 from worker.contract.events import NodeSnapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOTS = ROOT / "docs" / "screenshots"
 ICONS = ROOT / "assets" / "tray"
-WIDTH = 1120
+WIDTH = 1366  # a laptop's screen: the dashboard's whole length at this width
+SCREEN = QSize(1366, 768 - 40)  # less the taskbar: the window's first size follows it
+FIT_STATES = ("serving", "failed", "downloading", "setup")
 
 
 def history(snapshot: NodeSnapshot, now: float) -> dict[str, list[tuple[float, float]]]:
@@ -53,17 +58,18 @@ def history(snapshot: NodeSnapshot, now: float) -> dict[str, list[tuple[float, f
     return points
 
 
-def dashboard_shot(snapshot: NodeSnapshot, target: Path) -> None:
+def dashboard_shot(snapshot: NodeSnapshot, target: Path, *, whole: bool = True) -> None:
+    """The dashboard's whole length at WIDTH, or (`whole` False) the window as it first opens on SCREEN."""
     import time
 
     node = ScriptedNode(snapshot)
     node.history_points = history(snapshot, time.time())
     window = Dashboard(Bridge(node))
-    window.resize(WIDTH, 900)
+    window.resize(QSize(WIDTH, 900) if whole else default_size(SCREEN))
     window.show()
     for _ in range(3):  # wrapped labels settle their heights over a few passes
         QApplication.processEvents()
-    window.content.grab().save(str(target))
+    (window.content if whole else window).grab().save(str(target))
     window.charts.timer.stop()
     window.deleteLater()
 
@@ -111,18 +117,55 @@ def first_run_shots(suffix: str) -> None:
         flow.deleteLater()
 
 
+def settings_shots(suffix: str) -> None:
+    """Each Settings tab over the recorded two-card machine (the memory slider's preview included)."""
+    folder = Path(tempfile.mkdtemp(prefix="gpu-provider-shot-"))
+    bridge = Bridge(ScriptedNode(snapshots.serving()))
+    dialog = SettingsDialog(Settings(setup_complete=True, memory_share_pct=((1, 80),), max_requests=8,
+                                     temperature_limit_c=83, monthly_download_gib=200),
+                            Paths.under(folder), bridge, autostart.for_platform(data_dir=str(folder)))
+    dialog.resize(640, 700)
+    dialog.show()
+    for index, name in enumerate(("general", "limits")):
+        dialog.tabs.setCurrentIndex(index)
+        for _ in range(3):
+            QApplication.processEvents()
+        dialog.grab().save(str(SCREENSHOTS / f"settings-{name}{suffix}.png"))
+    dialog.deleteLater()
+
+
+def at_font_scale(app: QApplication, scale: float, scheme: theme.Scheme) -> QFont:
+    """The app font at `scale` times its size (theme re-installed to follow); returns the old font."""
+    before = QFont(app.font())
+    bigger = QFont(before)
+    bigger.setPointSizeF(theme.base_point_size(app) * scale)
+    app.setFont(bigger)
+    theme.install(app, scheme)
+    return before
+
+
 def main() -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     assert isinstance(app, QApplication)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     ICONS.mkdir(parents=True, exist_ok=True)
     for scheme in ("light", "dark"):
+        QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)  # last scheme's windows go first
         theme.install(app, scheme)
         suffix = "" if scheme == "light" else "-dark"
         for name, make in snapshots.MAIN_STATES.items():
             dashboard_shot(make(), SCREENSHOTS / f"dashboard-{name}{suffix}.png")
             tray_shot(make(), SCREENSHOTS / f"tray-{name}{suffix}.png")
+        for name in FIT_STATES:
+            dashboard_shot(snapshots.MAIN_STATES[name](), SCREENSHOTS / f"window-1366x768-{name}{suffix}.png",
+                           whole=False)
         first_run_shots(suffix)
+        settings_shots(suffix)
+        before = at_font_scale(app, 1.5, scheme)
+        for name in FIT_STATES:
+            dashboard_shot(snapshots.MAIN_STATES[name](), SCREENSHOTS / f"window-1366x768-150-{name}{suffix}.png",
+                           whole=False)
+        app.setFont(before)
     for state in STATE_COLOURS:
         state_pixmap(state, 64).save(str(ICONS / f"{state}.png"))
     print(f"wrote screenshots to {SCREENSHOTS} and icons to {ICONS}")

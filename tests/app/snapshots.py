@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import replace
+from typing import Any
+
+from tests.worker.hardware.recorded import replay
+from worker.contract import protocol
+from worker.hardware import Machine
+from worker.plan.planner import EnginePlan, Plan, plan
+from worker.system.config import Settings
 
 from worker.node.provision_failure import offline_problem
 from worker.serve.diagnosis import engine_problem
@@ -25,20 +32,44 @@ from worker.serve.restart_policy import Ended
 NOW = 1_800_000_000.0
 MODEL = "Qwen/Qwen3-8B"
 
-GPUS = (
-    GpuSnapshot(0, "NVIDIA GeForce RTX 4090", 24564, 23140, 21980, 87.0, 66.0, 338.0, 450.0),
-    GpuSnapshot(1, "NVIDIA GeForce RTX 3090", 24576, 23152, 21760, 84.0, 71.0, 301.0, 350.0),
-)
+
+def _assign(weights_mib: int, *engines: str) -> protocol.Assign:
+    """An assignment of MODEL as a coordinator sends it, for the engines named."""
+    model: dict[str, Any] = {"name": MODEL}
+    if "vllm" in engines:
+        model["vllm"] = {"source": MODEL, "revision": "main", "engine_version": "0.33.0", "weights_mib": weights_mib,
+                         "base_args": ["--max-model-len", "32768"], "tiers": {"40000": ["--max-num-seqs", "128"]}}
+    if "llamacpp" in engines:
+        model["llamacpp"] = {"source": "https://example.org/qwen3-0.6b-Q4_K_M.gguf", "sha256": "ab" * 32,
+                             "weights_mib": weights_mib, "base_args": ["--ctx-size", "8192"], "tiers": {}}
+    return protocol.Assign.model_validate({"type": "assign", "assignment_id": "as-91", "model": model})
+
+
+def _planned(fixture: str, assign: protocol.Assign) -> tuple[Machine, EnginePlan]:
+    """A recorded machine and the real planner's first engine for it: the screens show only what the
+    planner does (two 4090s work as one on the 27B-class weights; a CPU computer runs a small GGUF)."""
+    machine = replay(fixture)
+    result = plan(machine, assign, Settings())
+    assert isinstance(result, Plan), result
+    return machine, result.engines[0]
+
+
+MACHINE, PLANNED = _planned("rtx4090x2-no-p2p.json", _assign(17_800, "vllm", "llamacpp"))
+CPU_MACHINE, CPU_PLANNED = _planned("no-gpu.json", _assign(470, "llamacpp"))
+
+_READINGS = ((21_980, 87.0, 66.0, 338.0), (20_860, 84.0, 71.0, 301.0))  # used MiB, busy %, °C, W
+GPUS = tuple(GpuSnapshot(g.index, g.name, g.memory_total_mib, g.usable_mib, *_READINGS[g.index], g.power_limit_w)
+             for g in MACHINE.gpus)
 
 ENGINE = EngineSnapshot(
     engine_id="engine-0",
-    engine="vllm",
-    gpu_indices=(0, 1),
-    layout="tensor",
+    engine=PLANNED.engine,
+    gpu_indices=PLANNED.gpu_indices,
+    layout=PLANNED.layout,
     state="ready",
-    argv=("vllm", "serve", MODEL, "--tensor-parallel-size", "2", "--port", "41231", "--api-key", "***"),
-    tier="24000",
-    memory_mib=41_700,
+    argv=tuple(PLANNED.argv()),
+    tier=PLANNED.tier,
+    memory_mib=PLANNED.memory_mib,
     phase="ready",
     kv_cache_tokens=284_512,
     kv_cache_gib=19.5,
@@ -46,12 +77,11 @@ ENGINE = EngineSnapshot(
     context=ContextNumbers(requested=32_768, declared=32_768, physical=284_512),
     restarts=0,
     pid=48211,
-    port=41231,
+    port=PLANNED.port,
     kv_usage_pct=37.0,
     requests_running=3,
     requests_waiting=0,
 )
-
 
 
 def _days() -> tuple[DayEarnings, ...]:
@@ -90,8 +120,8 @@ def idle() -> NodeSnapshot:
         node_id="node-7f3a",
         runtime="native",
         gpus=tuple(replace(g, memory_used_mib=610, util_pct=0.0, power_w=24.0, temperature_c=38.0) for g in GPUS),
-        groups=((0, 1),),
-        effective_vram_mib=46_292,
+        groups=tuple(g.gpu_indices for g in MACHINE.groups),
+        effective_vram_mib=MACHINE.effective_vram_mib,
         earnings=EARNINGS,
         connection=CONNECTED,
     )
@@ -225,8 +255,10 @@ def update_ready() -> NodeSnapshot:
 
 def cpu_serving() -> NodeSnapshot:
     """A computer without a GPU serving a small model on its CPU."""
-    engine = replace(ENGINE, engine="llamacpp", gpu_indices=(), layout="single", memory_mib=2_048,
-                     max_concurrency=2.0, context=ContextNumbers(requested=8_192, declared=8_192, physical=16_384))
+    engine = replace(ENGINE, engine=CPU_PLANNED.engine, gpu_indices=CPU_PLANNED.gpu_indices, layout=CPU_PLANNED.layout,
+                     argv=tuple(CPU_PLANNED.argv()), tier=CPU_PLANNED.tier, memory_mib=CPU_PLANNED.memory_mib,
+                     port=CPU_PLANNED.port, kv_cache_tokens=16_384, kv_cache_gib=0.19, max_concurrency=2.0,
+                     context=ContextNumbers(requested=8_192, declared=8_192, physical=16_384))
     return replace(serving(), runtime="cpu", gpus=(), groups=(), effective_vram_mib=0, engines=(engine,))
 
 
@@ -240,7 +272,33 @@ def new_user() -> NodeSnapshot:
                                                                  for d in EARNINGS.days), power_measured=True))
 
 
+def setup_needed() -> NodeSnapshot:
+    """A new install whose first-run flow was closed with Later: the node waits, doing nothing."""
+    return replace(idle(), setup_needed=True, earnings=new_user().earnings)
+
+
+def downloading() -> NodeSnapshot:
+    """The model coming down for a new assignment (Steam-like: percent, speed, time left)."""
+    download = DownloadProgress(f"model {MODEL}", 6_100_000_000, 17_800 * 2**20, 38_000_000, 330.0)
+    return replace(idle(), state="configured", model=MODEL, assignment_id="as-91", downloads=(download,))
+
+
+def download_held_for_game() -> NodeSnapshot:
+    held = replace(downloading().downloads[0], held="game", held_detail="Cyberpunk2077.exe", rate_bps=None,
+                   eta_s=None)
+    return replace(paused_for_named_game(), assignment_id="as-91", downloads=(held,))
+
+
+def losing_money() -> NodeSnapshot:
+    """Serving where electricity costs more than it earns: today's net below zero."""
+    losing = replace(EARNINGS, today=0.42, energy_cost_today=0.96, net_per_hour=-0.05)
+    return replace(serving(), earnings=losing)
+
+
 MAIN_STATES = {
+    "setup": setup_needed,
+    "downloading": downloading,
+    "download-held": download_held_for_game,
     "idle": idle,
     "starting": starting,
     "serving": serving,
@@ -248,4 +306,7 @@ MAIN_STATES = {
     "failed": failed_with_retry,
     "offline": offline,
     "update": update_ready,
+    "signed-out": signed_out,
+    "losing": losing_money,
+    "cpu": cpu_serving,
 }

@@ -66,7 +66,7 @@ def test_the_real_network_signs_in_and_finish_saves_everything(qtbot, scheme, pa
     assert next_page(flow) == GPUS
     boxes = flow.gpu_page.choice.boxes
     assert [box.text() for box in boxes.values()] == ["GPU 0: NVIDIA GeForce RTX 4090, 24.0 GiB",
-                                                       "GPU 1: NVIDIA GeForce RTX 3090, 24.0 GiB"]
+                                                       "GPU 1: NVIDIA GeForce RTX 4090, 24.0 GiB"]
     assert all(box.isChecked() for box in boxes.values())
     boxes[1].setChecked(False)
     assert next_page(flow) == HABITS
@@ -222,7 +222,7 @@ def test_the_last_page_says_what_start_will_do(qtbot, paths, bridge, node, login
     assert flow.currentId() == HABITS
     said = flow.habits_page.summary.text()
     assert "small test model (about 0.5 GiB)" in said and "Nothing is earned" in said
-    assert "GPU 0 (NVIDIA GeForce RTX 4090), GPU 1 (NVIDIA GeForce RTX 3090) will answer" in said
+    assert "GPU 0 (NVIDIA GeForce RTX 4090), GPU 1 (NVIDIA GeForce RTX 4090) will answer" in said
     click(flow, QWizard.WizardButton.BackButton)
     flow.gpu_page.choice.boxes[1].setChecked(False)
     click(flow, QWizard.WizardButton.BackButton)
@@ -233,7 +233,7 @@ def test_the_last_page_says_what_start_will_do(qtbot, paths, bridge, node, login
     for _ in range(3):
         next_page(flow)
     said = flow.habits_page.summary.text()
-    assert "Downloads the model Test Network picks for your GPUs (at most 22.6 GiB" in said  # GPU 0's usable memory
+    assert "Downloads the model Test Network picks for your GPUs (at most 20.6 GiB" in said  # GPU 0's usable memory
     assert "GPU 1" not in said and "It earns EUR for each answer" in said
     assert node.commands == []  # nothing saved or started while the flow is open
 

@@ -30,8 +30,8 @@ def dialog(qtbot, bridge: Bridge) -> SignInDialog:
 def test_welcome_shows_what_was_detected_in_plain_words(qtbot, scheme, bridge, memory_keyring):
     window = dialog(qtbot, bridge)
     assert window.summary.text() == (
-        "GPU 0: NVIDIA GeForce RTX 4090, 24.0 GiB\nGPU 1: NVIDIA GeForce RTX 3090, 24.0 GiB\n"
-        "45.2 GiB of graphics memory usable for serving"
+        "GPU 0: NVIDIA GeForce RTX 4090, 24.0 GiB\nGPU 1: NVIDIA GeForce RTX 4090, 24.0 GiB\n"
+        "40.2 GiB of graphics memory usable for serving"
     )
     assert window.grab().toImage().pixelColor(3, 3).name() == theme.colours().window.lower()
 
