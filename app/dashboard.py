@@ -287,7 +287,10 @@ class Dashboard(QMainWindow):
 
     def _show_connection(self, snapshot: NodeSnapshot) -> None:
         c = snapshot.connection
-        self.values.set("connection", CONNECTION_TITLES[c.state])
+        title = CONNECTION_TITLES[c.state]
+        if snapshot.headline.kind == "offline" and c.state != "offline":  # linked, yet a download can't get out
+            title += " · downloads can't reach the internet"
+        self.values.set("connection", title)
         self.values.set("coordinator", "This computer only" if c.coordinator_url == "local" else c.coordinator_url)
         detail = c.problem.message if c.problem else ""
         if c.retry_in_s is not None:

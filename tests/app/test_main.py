@@ -399,3 +399,29 @@ def test_a_fresh_desktop_app_connects_nowhere_before_the_first_run_flow_is_finis
 
     save_settings(done, Settings(setup_complete=True))
     assert connections_while_the_app_runs(tmp_path / "set-up", monkeypatch, 4.0) >= 1  # set up: it connects
+
+
+def test_later_leaves_finish_setting_up_in_the_dashboard_and_the_tray(qtbot, tmp_path, memory_keyring):
+    import dataclasses
+
+    node = ScriptedNode(dataclasses.replace(snapshots.idle(), setup_needed=True))
+    app = desktop(qtbot, node, tmp_path, tray=True)
+    try:
+        app.open_first_run()
+        assert app.first_run is not None
+        app.first_run.reject()  # Later
+        qtbot.waitUntil(lambda: app.first_run is None, timeout=2000)
+        assert app.dashboard.pause_button.text() == "Finish setting up"
+        app.dashboard.pause_button.click()
+        assert app.first_run is not None and app.first_run.isVisible()  # the flow again
+        app.first_run.reject()
+        qtbot.waitUntil(lambda: app.first_run is None, timeout=2000)
+        app.tray.menu.aboutToShow.emit()
+        item = next(a for a in app.tray.menu.actions() if a.text() == "Finish setting up" and a.isEnabled())
+        item.trigger()
+        assert app.first_run is not None and app.first_run.isVisible()
+        app.first_run.reject()
+        assert node.commands == []  # Later saved nothing and started nothing
+    finally:
+        app.tray.icon.hide()
+        QApplication.instance().setQuitOnLastWindowClosed(True)
