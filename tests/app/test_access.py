@@ -133,3 +133,20 @@ def test_every_interactive_widget_has_a_name(qtbot, qapp, paths, node, bridge, l
     for window in windows:
         window.show()
         assert unnamed(window) == [], type(window).__name__
+
+
+def test_the_settings_dialog_fits_a_1366_by_768_screen_at_150_percent(qtbot, qapp, paths, bridge, login_item):
+    from PySide6.QtGui import QFont
+
+    before = QFont(qapp.font())
+    bigger = QFont(before)
+    bigger.setPointSizeF(theme.base_point_size(qapp) * 1.5)
+    qapp.setFont(bigger)
+    try:
+        theme.install(qapp, "dark")
+        dialog = SettingsDialog(Settings(), paths, bridge, login_item, choices=(REAL, networks.LOCAL))
+        qtbot.addWidget(dialog)
+        hint = dialog.minimumSizeHint()
+        assert hint.width() <= 1366 and hint.height() + 40 + 30 <= 768  # taskbar and title bar
+    finally:
+        qapp.setFont(before)
