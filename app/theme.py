@@ -9,13 +9,14 @@ person who reads at 14 pt gets larger headline figures, never smaller ones.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Literal
 
 from PySide6.QtCore import QObject, QPointF, Qt, Signal
-from PySide6.QtGui import QColor, QGuiApplication, QImage, QPainter, QPalette, QPolygonF
+from PySide6.QtGui import QColor, QGuiApplication, QImage, QPainter, QPalette, QPen, QPolygonF
 from PySide6.QtWidgets import QApplication
 
 Scheme = Literal["light", "dark"]
@@ -172,22 +173,53 @@ def _image_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="gpu-provider-theme-"))
 
 
-def arrow_image(colour: str, up: bool) -> str:
-    """A spin box's arrow in `colour`, painted once per colour: with its buttons styled, Qt draws no
-    arrow of its own (a spin box read as a plain text field)."""
-    path = _image_dir() / f"{'up' if up else 'down'}-{colour.lstrip('#').lower()}.png"
+def _painted(name: str, colour: str, size: tuple[int, int], draw: Callable[[QPainter], None]) -> str:
+    """An image a stylesheet names by path, painted once per colour into this process's folder."""
+    path = _image_dir() / f"{name}-{colour.lstrip('#').lower()}.png"
     if not path.exists():
-        image = QImage(20, 12, QImage.Format.Format_ARGB32)
+        image = QImage(*size, QImage.Format.Format_ARGB32)
         image.fill(Qt.GlobalColor.transparent)
         painter = QPainter(image)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        painter.setPen(Qt.PenStyle.NoPen)
-        painter.setBrush(QColor(colour))
-        tip, base = (1.0, 11.0) if up else (11.0, 1.0)
-        painter.drawPolygon(QPolygonF([QPointF(2, base), QPointF(18, base), QPointF(10, tip)]))
+        draw(painter)
         painter.end()
         image.save(str(path))
     return path.as_posix()
+
+
+def arrow_image(colour: str, up: bool) -> str:
+    """A spin box's arrow in `colour`: with its buttons styled, Qt draws no arrow of its own (a spin
+    box read as a plain text field)."""
+    tip, base = (1.0, 11.0) if up else (11.0, 1.0)
+
+    def draw(painter: QPainter) -> None:
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(QColor(colour))
+        painter.drawPolygon(QPolygonF([QPointF(2, base), QPointF(18, base), QPointF(10, tip)]))
+
+    return _painted("up" if up else "down", colour, (20, 12), draw)
+
+
+def check_image(colour: str) -> str:
+    """A ticked box's tick in `colour` (a styled indicator loses the style's own)."""
+
+    def draw(painter: QPainter) -> None:
+        painter.setPen(QPen(QColor(colour), 3.2, Qt.PenStyle.SolidLine, Qt.PenCapStyle.RoundCap,
+                            Qt.PenJoinStyle.RoundJoin))
+        painter.drawPolyline(QPolygonF([QPointF(5, 12.5), QPointF(9.5, 17), QPointF(19, 7)]))
+
+    return _painted("check", colour, (24, 24), draw)
+
+
+def dot_image(colour: str) -> str:
+    """A chosen radio button's dot in `colour`."""
+
+    def draw(painter: QPainter) -> None:
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(QColor(colour))
+        painter.drawEllipse(QPointF(12, 12), 5, 5)
+
+    return _painted("dot", colour, (24, 24), draw)
 
 
 def stylesheet(c: Colours, base_pt: float) -> str:
@@ -232,7 +264,7 @@ QLineEdit, QSpinBox, QDoubleSpinBox, QComboBox, QTimeEdit {{ color: {c.text}; ba
     border: 1px solid {c.control}; border-radius: 4px; padding: 3px 6px; }}
 QSpinBox, QDoubleSpinBox {{ padding-right: {px(1.8)}; }}
 QSpinBox::up-button, QDoubleSpinBox::up-button, QSpinBox::down-button, QDoubleSpinBox::down-button {{
-    subcontrol-origin: border; width: {px(1.4)}; background: {c.button}; border-left: 1px solid {c.control}; }}
+    subcontrol-origin: padding; width: {px(1.4)}; background: {c.button}; border-left: 1px solid {c.control}; }}
 QSpinBox::up-button, QDoubleSpinBox::up-button {{ subcontrol-position: top right; }}
 QSpinBox::down-button, QDoubleSpinBox::down-button {{ subcontrol-position: bottom right; }}
 QSpinBox::up-arrow, QDoubleSpinBox::up-arrow {{ image: url({arrow_image(c.text, True)}); width: {px(0.7)}; }}
@@ -245,8 +277,10 @@ QCheckBox::indicator, QRadioButton::indicator {{ width: {px(1.1)}; height: {px(1
     background: {c.card}; border: 1px solid {c.control}; }}
 QCheckBox::indicator {{ border-radius: 3px; }}
 QRadioButton::indicator {{ border-radius: {px(0.6)}; }}
-QCheckBox::indicator:checked, QRadioButton::indicator:checked {{ background: {c.accent};
-    border: 3px solid {c.card}; outline: none; }}
+QCheckBox::indicator:checked {{ background: {c.accent}; border-color: {c.accent};
+    image: url({check_image(c.on_accent)}); }}
+QRadioButton::indicator:checked {{ background: {c.accent}; border-color: {c.accent};
+    image: url({dot_image(c.on_accent)}); }}
 QCheckBox::indicator:disabled, QRadioButton::indicator:disabled {{ border-color: {c.border}; }}
 QSlider::groove:horizontal {{ height: {px(0.3)}; background: {c.control}; border-radius: 2px; }}
 QSlider::sub-page:horizontal {{ background: {c.accent}; border-radius: 2px; }}
