@@ -8,6 +8,8 @@ person who reads at 14 pt gets larger headline figures, never smaller ones.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,8 +171,11 @@ def palette(c: Colours) -> QPalette:
 
 @cache
 def _image_dir() -> Path:
-    """This process's own folder for the painted arrows (a stylesheet names images by path)."""
-    return Path(tempfile.mkdtemp(prefix="gpu-provider-theme-"))
+    """This process's own folder for the painted images (a stylesheet names images by path),
+    removed when the process ends."""
+    folder = Path(tempfile.mkdtemp(prefix="gpu-provider-theme-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def _painted(name: str, colour: str, size: tuple[int, int], draw: Callable[[QPainter], None]) -> str:
