@@ -268,7 +268,7 @@ def size_cap(weights_mib: int, limit_bytes: int) -> SizeCap:
             Problem(
                 "Model larger than the cache limit",
                 f"The model is {human_bytes(weights)}, more than the model cache limit of "
-                f"{human_bytes(limit_bytes)}. Raise the limit in Settings, or ask the network for a smaller model.",
+                f"{human_bytes(limit_bytes)}. Raise the limit in Settings to serve it.",
                 action="settings",
             )
         )
@@ -276,13 +276,12 @@ def size_cap(weights_mib: int, limit_bytes: int) -> SizeCap:
     if allowed <= limit_bytes:
         return SizeCap(
             allowed,
-            f"the {weights_mib} MiB the assignment gave for this model (plus 10 %); ask the network to correct "
-            "the model's size or to offer another model",
+            f"the {weights_mib} MiB the network said this model is (plus 10 %). There is nothing to do on this "
+            "computer: the network sees why in its status and can correct the size or offer another model",
         )
     return SizeCap(
         limit_bytes,
-        f"the model cache limit of {human_bytes(limit_bytes)}; raise it in Settings, or ask the network for a "
-        "smaller model",
+        f"the model cache limit of {human_bytes(limit_bytes)}; raise the limit in Settings",
     )
 
 

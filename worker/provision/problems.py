@@ -36,7 +36,7 @@ class SizeCap:
     """The most bytes a download may bring, and where that figure comes from (for the message)."""
 
     max_bytes: int
-    said: str  # "the 500 MiB the assignment gave (plus 10 %); ask the network …"
+    said: str  # "the 500 MiB the network said this model is (plus 10 %) …"
 
 
 def ensure_free_space(folder: Path, need_bytes: int, free_bytes: FreeBytes, what: str) -> None:
@@ -52,7 +52,8 @@ def host_refused(what: str, exc: HostRefused) -> Problem:
     return Problem(
         "Download address not allowed",
         f"{what}: the download was stopped before it reached the address, because {exc.reason}. Models "
-        "and engines are downloaded over https from public hosts only; ask the network to correct the address.",
+        "and engines are downloaded over https from public hosts only. There is nothing to do on this "
+        "computer: the network sees why in its status and can send another address.",
     )
 
 
@@ -93,7 +94,7 @@ async def fetch(
     `DownloadCancelled` (not a failure: the last event says "cancelled") when the person cancels.
 
     `size_said` says where `max_bytes` comes from and what to do about it ("the 500 MiB the
-    assignment gave; ask the network …"), for the message.
+    network said this model is …"), for the message.
     """
     meter = ProgressMeter(what, on_progress, clock=clock, control=downloader.control)
     try:

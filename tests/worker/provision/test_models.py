@@ -440,7 +440,8 @@ async def test_download_over_the_assignment_size_is_stopped_and_deleted(
         engine_model(server.url("m.gguf"), sha256=GGUF_SHA), "llamacpp", paths, http=client
     )
 
-    assert "the 1 MiB the assignment gave" in failure.problem.message
+    assert "the 1 MiB the network said this model is" in failure.problem.message
+    assert "ask the network" not in failure.problem.message  # a person cannot: the advice is what they can do
     assert not [p for p in paths.models_dir.rglob("*") if p.is_file() and p.name != "index.json.lock"]
 
 
