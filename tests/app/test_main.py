@@ -358,47 +358,49 @@ def test_start_at_login_left_by_an_older_version_is_repaired_at_start(qtbot, tmp
     assert stale.path.is_file()  # never removed: the person's choice stays
 
 
-def connections_while_the_app_runs(data_dir, monkeypatch, seconds: float) -> int:
-    """Runs the real app (its real core) against a listening socket named as its coordinator, and
-    counts the connections it opened there before `--quit-after` ended it."""
+def connections_while_the_app_runs(data_dir, seconds: float) -> int:
+    """Runs the real app (its own process, its real core) against a listening socket named as its
+    coordinator, and counts the connections it opened there before `--quit-after` ended it."""
     import socket
+    import subprocess
+    import sys
     import threading
 
     from tests.app.conftest import TOKEN
 
-    monkeypatch.setenv("GPU_PROVIDER_TOKEN", TOKEN)  # signed in: only the consent can hold it back
     listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[object] = []
+    accepted: list[socket.socket] = []
 
     def accept() -> None:
         while True:
             try:
-                connection, _ = listener.accept()
+                accepted.append(listener.accept()[0])
             except OSError:
                 return
-            accepted.append(connection)
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     url = f"ws://127.0.0.1:{listener.getsockname()[1]}/v1/node"
-    try:
-        assert main(["--data-dir", str(data_dir), "--coordinator", url, "--quit-after", str(seconds)]) == 0
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "GPU_PROVIDER_TOKEN": TOKEN}  # signed in: only the
+    try:  # consent can hold it back
+        done = subprocess.run([sys.executable, "-m", "app", "--data-dir", str(data_dir), "--coordinator", url,
+                               "--quit-after", str(seconds)], env=env, timeout=seconds + 60, capture_output=True)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
     finally:
         listener.close()
         thread.join(5)
     for connection in accepted:
-        connection.close()  # type: ignore[attr-defined]
+        connection.close()
     return len(accepted)
 
 
-def test_a_fresh_desktop_app_connects_nowhere_before_the_first_run_flow_is_finished(qapp, tmp_path, monkeypatch,
-                                                                                   memory_keyring):
-    assert connections_while_the_app_runs(tmp_path / "fresh", monkeypatch, 4.0) == 0
+def test_a_fresh_desktop_app_connects_nowhere_before_the_first_run_flow_is_finished(tmp_path):
+    assert connections_while_the_app_runs(tmp_path / "fresh", 4.0) == 0
     done = Paths.resolve(str(tmp_path / "set-up")).ensure()
     from worker.system.config import save_settings
 
     save_settings(done, Settings(setup_complete=True))
-    assert connections_while_the_app_runs(tmp_path / "set-up", monkeypatch, 4.0) >= 1  # set up: it connects
+    assert connections_while_the_app_runs(tmp_path / "set-up", 4.0) >= 1  # set up: it connects
 
 
 def test_later_leaves_finish_setting_up_in_the_dashboard_and_the_tray(qtbot, tmp_path, memory_keyring):
