@@ -54,7 +54,7 @@ SHOW_MESSAGE = b"show\n"
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The node's options (shared with `gpu-provider run`) plus the window's own."""
-    from worker.node.cli import InputError, desktop_options, node_options, parse_engine_bins
+    from worker.node.cli import InputError, desktop_options, local_tune, node_options, parse_engine_bins
 
     parser = argparse.ArgumentParser(
         prog="gpu-provider", description="GPU Provider desktop app", parents=[node_options(), desktop_options()]
@@ -63,6 +63,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(list(argv))
     try:
         args.engine_bins = parse_engine_bins(args.engine_bin)
+        args.local_tune = local_tune(args)
     except InputError as exc:
         parser.error(str(exc))
     return args
@@ -372,6 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_bins=args.engine_bins,
         model=args.model,
         openai_port=args.openai_port,
+        local_tune=args.local_tune,
         wait_for_setup=True,  # the desktop app: nothing downloads, starts or connects before the first-run flow
     )
     return run_app(qapp, node, paths, settings, args)

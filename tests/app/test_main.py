@@ -41,6 +41,15 @@ def test_arguments():
     assert str(args.hardware) == "hw.json"
 
 
+def test_tune_minutes_asks_local_mode_for_a_search_and_a_refused_budget_is_explained(capsys):
+    assert parse_args(["--coordinator", "local"]).local_tune is None
+    block = parse_args(["--coordinator", "local", "--tune-minutes", "10"]).local_tune
+    assert block["budget"] == {"max_minutes": 10.0, "max_trials": 12}
+    with pytest.raises(SystemExit):
+        parse_args(["--coordinator", "local", "--tune-minutes", "0"])
+    assert "--tune-minutes" in capsys.readouterr().err
+
+
 def test_bad_engine_bin_is_explained(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--engine-bin", "llama-server"])
