@@ -33,7 +33,7 @@ from tests.support.https_server import HttpsServer
 from worker import __version__
 from worker.serve import process as procs
 from worker.contract import protocol
-from worker.system.config import Paths
+from worker.system.config import Paths, Settings, save_settings
 from worker.system.datalock import DataFolderLock
 from worker.link.local import ReferenceCoordinator
 from worker.update import InstallRoot, install_root
@@ -136,6 +136,7 @@ async def installed_app(rig: Rig, coordinator: ReferenceCoordinator,
                         vllm_standin: Path) -> AsyncIterator[asyncio.subprocess.Process]:
     """The running version, started like the packaged build; on exit, it and any version it
     started are stopped."""
+    save_settings(rig.paths.ensure(), Settings(setup_complete=True))  # a person who finished the first-run flow
     launcher = rig.root / "installed" / "gpu-provider"
     launcher.parent.mkdir()
     launcher.write_bytes(rig.build(__version__, APP))
