@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests.support.engines import LlamaServer, free_port
-from tests.support.fake_wsl import TOOLS, FakeDistro, FakeWsl, install_fake_wsl
+from tests.support.fake_wsl import REPO, TOOLS, FakeDistro, FakeWsl, install_fake_wsl
 from tests.support.real_vllm import ensure_vllm, tiny_hf_model
 from worker.contract import protocol
 from worker.contract.events import EngineSnapshot
@@ -53,9 +53,10 @@ TIMING = SupervisorTiming(ready_timeout_s=40, poll_s=0.1, request_timeout_s=3.0,
 @pytest.fixture
 def fake(tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeWsl]:
     """A default Ubuntu whose user has the tiny model in the app's model folder; the test's and the
-    app's folders are not there inside. `wsl.exe` is first on PATH."""
+    app's folders are not there inside; the checkout is, read-only, as if installed there (the
+    stand-in engine runs from it), wherever it lies. `wsl.exe` is first on PATH."""
     installed = install_fake_wsl(tmp_path / "bin", [FakeDistro(DISTRO, default=True, root=tmp_path / "distro")],
-                                 hide=[tmp_path, tiny_gguf.parent, TOOLS])
+                                 hide=[tmp_path, tiny_gguf.parent, TOOLS], keep=[REPO])
     model = installed.linux_path_on_host(DISTRO, MODEL_INSIDE)
     model.parent.mkdir(parents=True)
     shutil.copyfile(tiny_gguf, model)

@@ -21,6 +21,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "wsl.exe"
 TOOLS = HERE / "tools"
+REPO = HERE.parents[2]  # the checkout: what a test may `keep` visible inside
 CONFIG_NAME = "fake-wsl.json"
 STATE_DIR_NAME = "fake-wsl-state"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
@@ -110,8 +111,10 @@ class FakeWsl:
 
 
 def install_fake_wsl(bin_dir: Path, distros: Sequence[FakeDistro], *, hide: Sequence[Path] = (),
-                     ensurepip: bool = False) -> FakeWsl:
-    """Put `wsl.exe` (and its config) in `bin_dir`, which the test puts first on PATH."""
+                     keep: Sequence[Path] = (), ensurepip: bool = False) -> FakeWsl:
+    """Put `wsl.exe` (and its config) in `bin_dir`, which the test puts first on PATH. `keep`:
+    folders seen inside at their own paths, read-only, even under /tmp or /home (which the distro
+    has its own of): software under test, as if installed in the distro."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(SCRIPT, bin_dir / "wsl.exe")
     (bin_dir / "wsl.exe").chmod(0o755)
@@ -125,7 +128,8 @@ def install_fake_wsl(bin_dir: Path, distros: Sequence[FakeDistro], *, hide: Sequ
         _write_tools(tools, root, ensurepip)
         entries.append({"name": distro.name, "version": distro.version, "default": distro.default,
                         "root": str(root), "user": distro.user, "tools": str(tools.resolve())})
-    config = {"distros": entries, "hide": [str(Path(p).resolve()) for p in hide], "ensurepip": ensurepip}
+    config = {"distros": entries, "hide": [str(Path(p).resolve()) for p in hide], "ensurepip": ensurepip,
+              "keep": [str(Path(p).resolve()) for p in keep]}
     (bin_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return FakeWsl(bin_dir, placed)
 
