@@ -254,7 +254,8 @@ class Link:
         return self._out or Outgoing.nowhere()
 
     async def _connect_once(self, token: str) -> _Ending:
-        self._set_state("connecting")
+        # A try after the link went down keeps why it is down: the person still reads Offline.
+        self._set_state("connecting", self._snapshot.problem if self._snapshot.state == "offline" else None)
         self._wake.clear()  # a wake-up meant for an earlier pause must not skip the next one
         try:
             hello = protocol.encode(self._make_hello())

@@ -119,12 +119,15 @@ def _engine_failure(snap: NodeSnapshot) -> Problem:
 def _offline(snap: NodeSnapshot, now: float) -> Headline | None:
     """The link is down, or a download or install waits for the network (the node retries by itself)."""
     waiting = snap.problem if snap.problem is not None and snap.problem.retry_at is not None else None
-    if snap.connection.state != "offline" and waiting is None:
+    retrying = snap.connection.state == "connecting" and snap.connection.problem is not None  # still down
+    if snap.connection.state != "offline" and not retrying and waiting is None:
         return None
     problem = waiting or snap.connection.problem
     detail = problem.message if problem is not None else "Check the internet connection"
     retry_in = snap.connection.retry_in_s
-    if retry_in is not None and waiting is None:
+    if retrying and waiting is None:
+        detail = f"{detail} · trying again now"
+    elif retry_in is not None and waiting is None:
         detail = f"{detail} · trying again in {max(1, round(retry_in))} s"
     return _make("offline", "Offline", detail, "retry", "Offline: the network can't reach this computer")
 

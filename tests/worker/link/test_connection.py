@@ -10,6 +10,7 @@ import pytest
 
 from worker.contract import events
 from worker.contract import protocol
+from tests.support.engines import free_port
 from worker.link.connection import Backoff, Link, url_problem
 from worker.link.local import ReferenceCoordinator
 
@@ -229,6 +230,17 @@ async def test_coordinator_restart_means_reconnect_and_a_new_generation(coordina
     assert offline_seen(node)
 
 
+async def test_a_try_after_an_outage_keeps_why_the_link_is_down(running) -> None:
+    """Each reconnect try is `connecting` with the outage's problem still on it, so the person keeps
+    reading Offline between tries rather than the state it had before the outage."""
+    _link, node = running(f"ws://127.0.0.1:{free_port()}/v1/node")  # nothing listens there
+    await node.wait_state("offline")
+    await eventually_true(lambda: sum(s.state == "connecting" for s in node.states) >= 2)
+    assert node.states[0].state == "offline"  # the first try was `connecting` from the start, with no outage yet
+    retries = [s for s in node.states if s.state == "connecting"]
+    assert retries and all(s.problem is not None and s.problem == node.states[0].problem for s in retries)
+
+
 async def test_no_pong_in_time_means_dead_and_reconnect(running) -> None:
     async with ReferenceCoordinator(close_timeout=0.05) as coordinator:
         link, node = running(coordinator.url, ping_interval=0.05, ping_timeout=0.05, close_timeout=0.05)
@@ -254,6 +266,12 @@ async def test_on_disconnect_is_called_once_per_ended_connection_before_the_paus
     await link.close()
     await asyncio.wait_for(task, 5)
     assert ended == [1]
+
+
+async def eventually_true(test: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not test():
+            await asyncio.sleep(0.005)
 
 
 def offline_seen(node: Node) -> bool:

@@ -104,6 +104,15 @@ def test_failed_comes_before_offline_and_offline_before_paused() -> None:
     assert head.not_earning == "Offline: the network can't reach this computer"
 
 
+def test_a_try_to_reconnect_still_reads_offline_until_it_connects() -> None:
+    """The link retries every few seconds: each try must not flash "Serving" while nothing can earn."""
+    down = Problem("Can't reach the coordinator", "down", "check_network")
+    head = headline(of(SERVING, connection=ConnectionSnapshot("wss://c", "connecting", down)), NOW)
+    assert (head.kind, head.title, head.detail) == ("offline", "Offline", "down · trying again now")
+    first = headline(of(IDLE, connection=ConnectionSnapshot("wss://c", "connecting")), NOW)  # never connected yet
+    assert (first.kind, first.detail) == ("idle", "Connecting to the network")
+
+
 def test_a_download_waiting_for_the_network_reads_offline() -> None:
     waiting = Problem("Waiting for the network", "Cannot reach the releases.", "retry", retry_at=NOW + 30)
     head = headline(of(IDLE, state="configured", assignment_id="a-1", problem=waiting, downloads=(DOWNLOAD,)), NOW)
