@@ -61,7 +61,7 @@ class EngineSet:
 
     def cards(self) -> set[int]:
         """The GPUs the engines run on (starting ones too: loading a model draws power)."""
-        return {index for snap in self.snapshots() for index in snap.gpu_indices}
+        return {index for sup in list(self._supervisors.values()) for index in sup.plan.gpu_indices}
 
     def states(self) -> list[NodeState]:
         return [snap.state for snap in self.snapshots()]
