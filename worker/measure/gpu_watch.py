@@ -26,7 +26,7 @@ from worker.hardware import (
 from worker.hardware.detect import card_usable_mib
 from worker.hardware.host import MIB, SYSFS, read_engine_ram
 from worker.hardware.nvml import read_nvidia
-from worker.measure.ledger import EnergyIntegrator
+from worker.measure.energy import EnergyIntegrator
 from worker.plan.planner import EnginePlan, cards_share, held_to_cap, share
 
 log = logging.getLogger(__name__)

@@ -11,13 +11,13 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from worker.measure.energy import EnergyIntegrator
 from worker.measure.ledger import (
     CHART_WINDOW_S,
     CREDIT_READ_S,
     SAMPLES_FLUSH_S,
     SERVING_SERIES,
     Books,
-    EnergyIntegrator,
     Ledger,
     LedgerError,
     Retention,
